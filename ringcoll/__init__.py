@@ -1,0 +1,37 @@
+"""ringcoll: collective communication from scratch, in Python over MPI point-to-point.
+
+    import ringcoll, numpy as np
+    comm = ringcoll.Communicator()            # MPI.COMM_WORLD, duplicated
+    y = comm.allreduce(np.ones(1 << 20, np.float32))
+
+See README.md for the algorithms, their costs and the benchmarks.
+"""
+
+from .algorithms import ALLREDUCE_NAMES, CostModel
+from .communicator import Communicator, Request, run_threads
+from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError,
+                     RingcollError)
+
+__version__ = "0.1.0"
+
+
+def wrap(mpi_comm=None, **options):
+    """mpi4py-compatible communicator running ringcoll's collectives (see ringcoll.compat)."""
+    from .compat import wrap as _wrap  # imports mpi4py only when asked
+
+    return _wrap(mpi_comm, **options)
+
+
+__all__ = [
+    "ALLREDUCE_NAMES",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "CostModel",
+    "PeerFailedError",
+    "Request",
+    "RingcollError",
+    "__version__",
+    "run_threads",
+    "wrap",
+]

@@ -1,0 +1,59 @@
+"""Hierarchical (node-aware) all-reduce: reduce-scatter in the node, all-reduce across nodes,
+all-gather in the node.
+
+Intra-node links are fast and inter-node links are slow, so only 1/k of the buffer (k ranks per
+node) should cross the network from each rank:
+
+  1. inside each node, a ring reduce-scatter leaves local rank i with its shard of the node's sum;
+  2. the ranks holding the same shard on different nodes all-reduce it (the `inner` algorithm,
+     ring by default) - N nodes, n/k bytes each;
+  3. inside each node, a ring all-gather puts the shards back together.
+
+Uneven nodes (the last may be smaller): the buffer is cut into L blocks, L the largest node
+size; in a node of k ranks local rank i owns the contiguous blocks [i*L//k, (i+1)*L//k). Step 2
+runs once per block b, in increasing b, among the owners of b on every node; every rank takes
+its blocks in the same global order, so the groups can never wait on each other in a cycle.
+
+Cost with N nodes of k ranks (intra-node a_l, b_l; inter-node a_g, b_g), ring inside:
+    2(k-1) a_l + 2(k-1)/k n b_l + (k-1)/k n g          (steps 1 and 3)
+  + 2(N-1) a_g + 2(N-1)/N (n/k) b_g + (N-1)/N (n/k) g  (step 2, ring)
+Every shard is finished by one cross-node all-reduce (itself bitwise identical) and copied, so
+all ranks end with bitwise identical results.
+"""
+
+from ..arrays import Partition
+from . import ring
+
+
+def owned_blocks(local_rank, node_size, blocks):
+    """The blocks [first, last) local_rank of a node of node_size ranks owns, of `blocks`."""
+    return local_rank * blocks // node_size, (local_rank + 1) * blocks // node_size
+
+
+def owner(block, node_size, blocks):
+    """The local rank of a node of node_size ranks that owns `block`."""
+    for i in range(node_size):
+        first, last = owned_blocks(i, node_size, blocks)
+        if first <= block < last:
+            return i
+    raise ValueError(f"block {block} is not among the {blocks} blocks")
+
+
+def allreduce(t, src, dst, combine, ws, nodes, inner=ring.allreduce):
+    """dst = reduction of every rank's src; `nodes` lists each node's ranks (of t), in order."""
+    n = dst.size
+    node = next(m for m in nodes if t.rank in m)
+    k, blocks = len(node), max(len(m) for m in nodes)
+    local = t.view(node, tag_offset=1)
+    part = ws.partition(n, blocks)
+    shards = Partition([part.starts[last] - part.starts[first]  # local rank i's blocks
+                        for first, last in (owned_blocks(i, k, blocks) for i in range(k))])
+
+    ring.reduce_scatter(local, src, dst, shards, combine, ws)
+    first, last = owned_blocks(local.rank, k, blocks)
+    for b in range(first, last):
+        group = [m[owner(b, len(m), blocks)] for m in nodes]
+        cross = t.view(group, tag_offset=2 + b)
+        shard = dst[part.slices[b]]
+        inner(cross, shard, shard, combine, ws)
+    ring.allgather(local, dst, shards, ws)

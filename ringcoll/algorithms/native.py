@@ -1,0 +1,22 @@
+"""`native`: the MPI library's own collectives, for A/B comparison.
+
+These call the transport's native_* methods (MPI_Allreduce and friends on ringcoll's duplicated
+communicator); they exist only on the MPI transport. MPI has no datatype for float16 or
+bfloat16, so those cannot use `native`.
+"""
+
+from ..arrays import HALF_TYPES
+from ..errors import RingcollError
+
+
+def check(t, dtype, where):
+    if not hasattr(t, "native_allreduce"):
+        raise RingcollError(f"{where}algorithm 'native' needs the MPI transport; "
+                            "pick a ringcoll algorithm such as 'ring'")
+    if dtype in HALF_TYPES:
+        raise TypeError(f"{where}MPI cannot reduce {dtype}; use a ringcoll algorithm "
+                        "(for example algorithm='ring'), which accumulates it in float32")
+
+
+def allreduce(t, src, dst, op_name):
+    t.native_allreduce(src, dst, op_name)

@@ -1,0 +1,130 @@
+"""Array plumbing: which dtypes ringcoll reduces, flat views, block partitions.
+
+Algorithms work on 1-D contiguous views; this module turns the user's arrays into those views
+without copying when it can, and says exactly what is wrong when it cannot.
+"""
+
+import numpy as np
+
+try:  # bfloat16 is not a NumPy type; ml_dtypes provides it where installed.
+    from ml_dtypes import bfloat16 as _bfloat16
+
+    BFLOAT16 = np.dtype(_bfloat16)
+except ImportError:  # pragma: no cover - depends on the environment
+    BFLOAT16 = None
+
+_KINDS = "iufc"  # signed, unsigned, float, complex
+#: dtypes whose reductions accumulate in float32 inside each step.
+HALF_TYPES = tuple(t for t in (np.dtype(np.float16), BFLOAT16) if t is not None)
+
+
+def is_supported_dtype(dtype):
+    dtype = np.dtype(dtype)
+    return dtype in HALF_TYPES or (dtype.kind in _KINDS and dtype.fields is None)
+
+
+def check_dtype(dtype, where):
+    if not is_supported_dtype(dtype):
+        raise TypeError(
+            f"{where}dtype {np.dtype(dtype)} is not supported; use a numeric dtype "
+            "(int8..int64, uint8..uint64, float16/32/64, complex64/128, or bfloat16 "
+            "from ml_dtypes)"
+        )
+
+
+def array_module(x):
+    """numpy, or cupy for a CuPy array (the CuPy path is a later issue)."""
+    return np
+
+
+def flat_view(x):
+    """A 1-D view of a C- or F-contiguous array in memory order, or None if impossible."""
+    if x.ndim <= 1:
+        return x.reshape(-1) if x.flags.c_contiguous else None
+    if x.flags.c_contiguous:
+        return x.reshape(-1)
+    if x.flags.f_contiguous:
+        return x.T.reshape(-1)
+    return None
+
+
+class Partition:
+    """Contiguous blocks of a flat buffer: block b is buf[starts[b]:starts[b+1]].
+
+    `even(n, parts)` splits like np.array_split (the first n % parts blocks get one more
+    element); `rows(...)` splits axis 0 that way and scales by the elements in a row.
+    """
+
+    __slots__ = ("starts", "counts", "slices")
+
+    def __init__(self, counts):
+        self.counts = [int(c) for c in counts]
+        self.starts = [0]
+        for c in self.counts:
+            self.starts.append(self.starts[-1] + c)
+        self.slices = [slice(self.starts[b], self.starts[b + 1]) for b in range(len(self.counts))]
+
+    @classmethod
+    def even(cls, n, parts):
+        base, extra = divmod(n, parts)
+        return cls([base + (1 if b < extra else 0) for b in range(parts)])
+
+    @classmethod
+    def rows(cls, nrows, parts, row_elems):
+        return cls([c * row_elems for c in cls.even(nrows, parts).counts])
+
+    @property
+    def total(self):
+        return self.starts[-1]
+
+    def __len__(self):
+        return len(self.counts)
+
+    def __eq__(self, other):
+        return isinstance(other, Partition) and self.counts == other.counts
+
+    def __repr__(self):
+        return f"Partition({self.counts})"
+
+
+def segments(count, seg_elems):
+    """Pipeline segments [0, count) in pieces of at most seg_elems; none for an empty block."""
+    return [slice(s, min(s + seg_elems, count)) for s in range(0, count, seg_elems)]
+
+
+class Workspace:
+    """Scratch buffers and block partitions cached per communicator.
+
+    After the first call of a given size nothing is allocated: scratch(name, count, dtype)
+    hands out a view of a byte buffer that only ever grows.
+    """
+
+    def __init__(self, segment_bytes):
+        self.segment_bytes = segment_bytes
+        self._buffers = {}
+        self._partitions = {}
+
+    def scratch(self, name, count, dtype):
+        dtype = np.dtype(dtype)
+        nbytes = count * dtype.itemsize
+        buf = self._buffers.get(name)
+        if buf is None or buf.nbytes < nbytes:
+            buf = self._buffers[name] = np.empty(max(nbytes, 64), dtype=np.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def partition(self, n, parts):
+        key = ("even", n, parts)
+        part = self._partitions.get(key)
+        if part is None:
+            part = self._partitions[key] = Partition.even(n, parts)
+        return part
+
+    def row_partition(self, nrows, parts, row_elems):
+        key = ("rows", nrows, parts, row_elems)
+        part = self._partitions.get(key)
+        if part is None:
+            part = self._partitions[key] = Partition.rows(nrows, parts, row_elems)
+        return part
+
+    def segment_elems(self, dtype):
+        return max(1, self.segment_bytes // np.dtype(dtype).itemsize)

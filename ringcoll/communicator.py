@@ -1,0 +1,553 @@
+"""Communicator: the user's entry point.
+
+It owns a transport (MPI on a duplicated communicator, or threads), knows rank, size and the
+node topology, caches scratch buffers and partitions, validates every argument, picks the
+algorithm and runs it. Algorithms never see any of this: they get a transport and flat views.
+"""
+
+import sys
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .algorithms import ALLREDUCE, ALLREDUCE_NAMES, CostModel
+from .algorithms import alltoall as alltoall_alg
+from .algorithms import barrier as barrier_alg
+from .algorithms import hierarchical, native, ring, tree
+from .arrays import Partition, Workspace, check_dtype, flat_view
+from .config import Options
+from .errors import CollectiveMismatchError, RingcollError, where
+from .ops import check_op_dtype, get_op
+
+
+class Request:
+    """A non-blocking collective in flight: wait() returns its result, test() polls."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def wait(self):
+        """Block until the collective has finished and return its result (or raise its error)."""
+        return self._future.result()
+
+    def test(self):
+        """True once the collective has finished; never blocks."""
+        return self._future.done()
+
+
+class Communicator:
+    """A group of ranks that run ringcoll collectives together.
+
+    Args:
+        comm: an mpi4py communicator (default MPI.COMM_WORLD). It is duplicated, so ringcoll
+            messages can never match the user's own.
+        local_size: group consecutive ranks into nodes of this many (the last may be smaller)
+            instead of asking MPI which ranks share memory; RINGCOLL_LOCAL_SIZE does the same.
+        algorithm: default all-reduce algorithm, "auto" unless RINGCOLL_ALGO says otherwise.
+        timeout: seconds a thread-transport wait may block (RINGCOLL_TIMEOUT).
+        segment_bytes: pipeline segment size of the ring algorithms (RINGCOLL_SEGMENT_BYTES).
+        debug: print each collective's algorithm choice on rank 0 (RINGCOLL_DEBUG).
+        cost_model: the CostModel that `auto` uses.
+        transport: run over this ringcoll Transport instead of MPI (tests, simulation).
+
+    Example::
+
+        comm = ringcoll.Communicator()
+        x = np.full(4, comm.rank, dtype=np.float32)
+        comm.allreduce(x)   # every rank: [0+1+...+(p-1)] * 4
+    """
+
+    def __init__(self, comm=None, *, local_size=None, algorithm=None, timeout=None,
+                 segment_bytes=None, debug=None, cost_model=None, transport=None):
+        self.options = Options.from_env(algorithm=algorithm, local_size=local_size,
+                                        timeout=timeout, segment_bytes=segment_bytes, debug=debug)
+        if self.options.algorithm not in ALLREDUCE_NAMES:
+            raise ValueError(f"unknown all-reduce algorithm {self.options.algorithm!r} "
+                             f"(from algorithm= or RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
+        if transport is None:
+            from .transport.mpi import MPITransport  # only the MPI path needs mpi4py
+
+            if comm is None:
+                from mpi4py import MPI
+
+                comm = MPI.COMM_WORLD
+            transport = MPITransport(comm)
+        elif comm is not None:
+            raise ValueError("pass either an MPI communicator or a transport, not both")
+        self._t = transport
+        self.rank, self.size = transport.rank, transport.size
+        self.cost_model = cost_model or CostModel()
+        self.nodes = self._find_nodes()
+        self._ws = Workspace(self.options.segment_bytes)
+        self._executor = None  # the thread that runs non-blocking collectives, once needed
+        self._tail = None  # the last non-blocking collective submitted
+
+    # -- topology ------------------------------------------------------------------------
+    def _find_nodes(self):
+        k = self.options.local_size
+        ids = ([r // k for r in range(self.size)] if k is not None else self._t.node_ids())
+        nodes = {}
+        for r, node in enumerate(ids):
+            nodes.setdefault(node, []).append(r)
+        return list(nodes.values())
+
+    @property
+    def local_rank(self):
+        """This rank's index inside its node."""
+        return self._node().index(self.rank)
+
+    @property
+    def local_size(self):
+        """How many ranks share this rank's node."""
+        return len(self._node())
+
+    def _node(self):
+        return next(m for m in self.nodes if self.rank in m)
+
+    def __repr__(self):
+        return (f"<ringcoll.Communicator rank {self.rank} of {self.size}, "
+                f"{len(self.nodes)} node(s), algorithm={self.options.algorithm!r}>")
+
+    # -- running a collective: inline, or behind outstanding non-blocking ones --------------
+    def _run(self, fn):
+        if self._tail is not None and not self._tail.done():
+            self._tail = self._executor.submit(fn)  # keep call order: run after them
+            return self._tail.result()
+        return fn()
+
+    def _submit(self, fn):
+        if self._executor is None:
+            if not getattr(self._t, "thread_multiple", True):
+                raise RingcollError(
+                    f"{where(self.rank, 'iallreduce')}non-blocking collectives run on a "
+                    "background thread and need MPI_THREAD_MULTIPLE; initialise MPI with it "
+                    "(mpi4py's default) or use the blocking allreduce")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-progress")
+        self._tail = self._executor.submit(fn)
+        return Request(self._tail)
+
+    def _log(self, collective, name, nbytes):
+        if self.options.debug and self.rank == 0:
+            print(f"ringcoll: {collective} {nbytes} B on {self.size} ranks -> {name}",
+                  file=sys.stderr, flush=True)
+
+    # -- argument checks ---------------------------------------------------------------------
+    def _input(self, x, ctx):
+        x = np.asarray(x)
+        check_dtype(x.dtype, ctx)
+        return x
+
+    def _output(self, out, shape, dtype, ctx, like=None):
+        """Validate a user's out= (or allocate one, laid out like `like`)."""
+        if out is None:
+            return np.empty_like(like) if like is not None else np.empty(shape, dtype)
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"{ctx}out must be a NumPy array, got {type(out).__name__}")
+        if out.shape != tuple(shape) or out.dtype != dtype:
+            raise ValueError(f"{ctx}out has shape {out.shape} and dtype {out.dtype}; it must be "
+                             f"shape {tuple(shape)} and dtype {np.dtype(dtype)}")
+        if not out.flags.writeable:
+            raise ValueError(f"{ctx}out is read-only; pass a writeable array")
+        if flat_view(out) is None:
+            raise ValueError(f"{ctx}out is not contiguous; pass a C- or F-contiguous array "
+                             "(np.empty(shape, dtype)) and copy the result where you need it")
+        return out
+
+    def _flat_pair(self, x, out, ctx):
+        """Flat views (src, dst) in the same element order; src is dst when out is x."""
+        if out is x:
+            if flat_view(x) is None:
+                raise ValueError(f"{ctx}in-place (out=x) needs a contiguous x; pass "
+                                 "np.ascontiguousarray(x) and use the returned array")
+            if not x.flags.writeable:
+                raise ValueError(f"{ctx}x is read-only and cannot be reduced in place")
+            dst = flat_view(x)
+            return dst, dst
+        if np.shares_memory(x, out):
+            raise ValueError(f"{ctx}out overlaps x without being x; use out=x for in place "
+                             "or a separate buffer")
+        dst = flat_view(out)
+        # Reduce in memory order: x must be laid out like out (C or F), else copied to be.
+        order = "C" if out.flags.c_contiguous else "F"
+        if not (x.flags.c_contiguous if order == "C" else x.flags.f_contiguous):
+            x = np.asarray(x, order=order)  # one copy, for a non-contiguous or transposed x
+        return flat_view(x), dst
+
+    def _combine(self, op, dtype):
+        return op.bind(dtype)
+
+    # -- all-reduce --------------------------------------------------------------------------
+    def allreduce(self, x, op="sum", algorithm=None, out=None):
+        """Reduce x over all ranks and give every rank the result.
+
+        The result is bitwise identical on every rank, for every algorithm. Integer results
+        equal MPI_Allreduce's exactly; float16/bfloat16 sums accumulate in float32 each step.
+
+        Args:
+            x (np.ndarray): this rank's contribution, any shape; same shape, dtype and memory
+                layout (C or F) on every rank.
+            op (str or MPI.Op): "sum", "prod", "max", "min" or "avg" (floats only).
+            algorithm (str): "auto", "ring", "recursive_doubling", "rabenseifner",
+                "hierarchical" or "native"; default the communicator's.
+            out (np.ndarray): where to write the result; out=x reduces in place.
+
+        Returns:
+            np.ndarray: the reduced array (out if given).
+
+        Example::
+
+            # rank r passes np.array([r, 1]); on 3 ranks every rank gets [3, 3]
+            y = comm.allreduce(np.array([comm.rank, 1]))
+        """
+        ctx = where(self.rank, "allreduce")
+        run = self._prepare_allreduce(x, op, algorithm, out, ctx)
+        return self._run(run)
+
+    def iallreduce(self, x, op="sum", algorithm=None, out=None):
+        """Non-blocking allreduce: returns a Request; req.wait() gives the result.
+
+        The collective runs on a background thread that owns ringcoll's MPI calls, so it
+        progresses while the caller computes. Do not touch x or out until wait() returns.
+        Collectives called after it (blocking or not) run after it, in call order.
+        """
+        ctx = where(self.rank, "iallreduce")
+        return self._submit(self._prepare_allreduce(x, op, algorithm, out, ctx))
+
+    def _prepare_allreduce(self, x, op, algorithm, out, ctx):
+        x = self._input(x, ctx)
+        op = get_op(op, ctx)
+        check_op_dtype(op, x.dtype, ctx)
+        out = self._output(out, x.shape, x.dtype, ctx, like=x if flat_view(x) is not None else None)
+        src, dst = self._flat_pair(x, out, ctx)
+        name = self._pick(algorithm, dst.nbytes, ctx)
+        if name == "native":
+            native.check(self._t, dst.dtype, ctx)
+        combine = self._combine(op, dst.dtype)
+
+        def run():
+            self._log("allreduce", name, dst.nbytes)
+            if name == "native":
+                self._t.native_allreduce(src, dst, op.mpi_name)
+            elif name == "hierarchical":
+                inner = ALLREDUCE[self._pick_inner(dst.nbytes)]
+                hierarchical.allreduce(self._t, src, dst, combine, self._ws, self.nodes, inner)
+            else:
+                ALLREDUCE[name](self._t, src, dst, combine, self._ws)
+            op.finish(dst, self.size)
+            return out
+
+        return run
+
+    def _pick(self, algorithm, nbytes, ctx):
+        name = algorithm or self.options.algorithm
+        if name not in ALLREDUCE_NAMES:
+            raise ValueError(f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
+        if name == "auto":
+            name = self.cost_model.choose_allreduce(nbytes, self.size, self.nodes)
+        return name
+
+    def _pick_inner(self, nbytes):
+        """The cross-node algorithm of hierarchical, for a shard of nbytes / local size."""
+        shard = nbytes // max(len(m) for m in self.nodes)
+        return self.cost_model.choose_allreduce(shard, len(self.nodes), [[0]] * len(self.nodes))
+
+    # -- reduce-scatter ----------------------------------------------------------------------
+    def reduce_scatter(self, x, op="sum", out=None, algorithm=None):
+        """Reduce x over all ranks and give rank r the r-th block of the result.
+
+        x is split along axis 0 like np.array_split(x, size): the first x.shape[0] % size
+        blocks get one more row.
+
+        Args:
+            x (np.ndarray): at least 1-D; same shape and dtype on every rank.
+            op: as for allreduce.
+            out (np.ndarray): where to write this rank's block.
+            algorithm (str): "ring" (also "auto") or "native".
+
+        Returns:
+            np.ndarray: this rank's block, shape (rows_r,) + x.shape[1:].
+
+        Example::
+
+            # 2 ranks, x = np.arange(4) + rank: rank 0 gets [1, 3], rank 1 gets [5, 7]
+        """
+        ctx = where(self.rank, "reduce_scatter")
+        x = self._rows_input(x, ctx)
+        op = get_op(op, ctx)
+        check_op_dtype(op, x.dtype, ctx)
+        name = self._pick_simple(algorithm, ctx)
+        part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
+        base, extra = divmod(x.shape[0], self.size)
+        rows = base + (1 if self.rank < extra else 0)
+        out = self._output(out, (rows,) + x.shape[1:], x.dtype, ctx)
+        src, dst = x.reshape(-1), flat_view(out)
+        if name == "native":
+            native.check(self._t, x.dtype, ctx)
+        combine = self._combine(op, x.dtype)
+
+        def run():
+            self._log("reduce_scatter", name, src.nbytes)
+            if name == "native":
+                self._t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
+            else:
+                work = self._ws.scratch("rs.work", src.size, src.dtype)
+                ring.reduce_scatter(self._t, src, work, part, combine, self._ws)
+                dst[...] = work[part.slices[self.rank]]
+            op.finish(dst, self.size)
+            return out
+
+        return self._run(run)
+
+    # -- all-gather --------------------------------------------------------------------------
+    def allgather(self, x, out=None, algorithm=None):
+        """Concatenate every rank's x along axis 0, on every rank.
+
+        Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
+        agree (checked: a mismatch raises CollectiveMismatchError on every rank).
+
+        Returns:
+            np.ndarray: shape (sum of rows,) + x.shape[1:]; rank 0's rows first.
+
+        Example::
+
+            # 3 ranks, x = np.array([rank]): every rank gets [0, 1, 2]
+        """
+        ctx = where(self.rank, "allgather")
+        x = self._rows_input(x, ctx)
+        name = self._pick_simple(algorithm, ctx)
+        rows = self._exchange_rows(x, ctx)
+        row = _row_elems(x)
+        part = Partition([r * row for r in rows])
+        out = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx)
+        src, dst = x.reshape(-1), flat_view(out)
+
+        def run():
+            self._log("allgather", name, dst.nbytes)
+            if name == "native":
+                native.check(self._t, None, ctx)
+                self._t.native_allgather(src, dst, part.counts)
+            else:
+                dst[part.slices[self.rank]] = src
+                ring.allgather(self._t, dst, part, self._ws)
+            return out
+
+        return self._run(run)
+
+    def _exchange_rows(self, x, ctx):
+        """Every rank's row count, after checking that dtypes and trailing shapes agree."""
+        layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
+        mine = np.array([x.shape[0], _row_elems(x), x.ndim, layout], dtype=np.int64)
+        meta = np.empty((self.size, mine.size), dtype=np.int64)
+        meta[self.rank] = mine
+        flat = meta.reshape(-1)
+        self._run(lambda: ring.allgather(self._t, flat, self._ws.partition(flat.size, self.size),
+                                          self._ws))
+        bad = [r for r in range(self.size) if tuple(meta[r, 1:]) != tuple(mine[1:])]
+        if bad:
+            raise CollectiveMismatchError(
+                f"{ctx}rank(s) {bad} passed a different dtype or trailing shape than this rank "
+                f"({x.dtype}, {x.shape[1:]}); only axis 0 may differ between ranks")
+        return [int(v) for v in meta[:, 0]]
+
+    # -- broadcast, reduce, all-to-all, barrier ---------------------------------------------
+    def broadcast(self, x, root=0, algorithm=None):
+        """Copy root's x into x on every rank, in place; returns x.
+
+        Example::
+
+            x = np.arange(3) if comm.rank == 0 else np.empty(3, dtype=int)
+            comm.broadcast(x, root=0)   # every rank: [0, 1, 2]
+        """
+        ctx = where(self.rank, "broadcast")
+        if not isinstance(x, np.ndarray):
+            raise TypeError(f"{ctx}broadcast works in place and needs a NumPy array, "
+                            f"got {type(x).__name__}")
+        check_dtype(x.dtype, ctx)
+        self._check_root(root, ctx)
+        name = self._pick_simple(algorithm, ctx)
+        buf = flat_view(x)
+        if buf is None:
+            raise ValueError(f"{ctx}x is not contiguous; broadcast into "
+                             "np.ascontiguousarray(x) and copy back")
+        if self.rank != root and not x.flags.writeable:
+            raise ValueError(f"{ctx}x is read-only; broadcast needs to write into it")
+
+        def run():
+            self._log("broadcast", name, buf.nbytes)
+            if name == "native":
+                native.check(self._t, None, ctx)
+                self._t.native_bcast(buf, root)
+            else:
+                tree.broadcast(self._t, buf, root, self._ws)
+            return x
+
+        return self._run(run)
+
+    def reduce(self, x, op="sum", root=0, out=None, algorithm=None):
+        """Reduce x over all ranks onto root: returns the result on root, None elsewhere.
+
+        Example::
+
+            # 4 ranks, x = np.array([rank]): rank 0 gets [6], the others None
+        """
+        ctx = where(self.rank, "reduce")
+        x = self._input(x, ctx)
+        op = get_op(op, ctx)
+        check_op_dtype(op, x.dtype, ctx)
+        self._check_root(root, ctx)
+        name = self._pick_simple(algorithm, ctx)
+        is_root = self.rank == root
+        if is_root:
+            out = self._output(out, x.shape, x.dtype, ctx, like=x if flat_view(x) is not None else None)
+            src, dst = self._flat_pair(x, out, ctx)
+        else:
+            src = flat_view(x)
+            if src is None:
+                src = np.ascontiguousarray(x).reshape(-1)
+            dst = None
+        if name == "native":
+            native.check(self._t, x.dtype, ctx)
+        combine = self._combine(op, x.dtype)
+
+        def run():
+            self._log("reduce", name, src.nbytes)
+            if name == "native":
+                self._t.native_reduce(src, dst, root, op.mpi_name)
+            else:
+                acc = dst if is_root else self._ws.scratch("reduce.acc", src.size, src.dtype)
+                tree.reduce(self._t, src, acc, root, combine, self._ws)
+            if not is_root:
+                return None
+            op.finish(dst, self.size)
+            return out
+
+        return self._run(run)
+
+    def alltoall(self, x, out=None, algorithm=None):
+        """Send block j of x (axis 0 split into size equal blocks) to rank j.
+
+        Returns:
+            np.ndarray: same shape as x; block i came from rank i.
+
+        Example::
+
+            # 2 ranks, x = np.array([10 * rank, 10 * rank + 1])
+            # rank 0 gets [0, 10], rank 1 gets [1, 11]
+        """
+        ctx = where(self.rank, "alltoall")
+        x = self._rows_input(x, ctx)
+        if x.shape[0] % self.size:
+            raise ValueError(f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the "
+                             f"communicator size {self.size} (one equal block per rank)")
+        name = self._pick_simple(algorithm, ctx)
+        out = self._output(out, x.shape, x.dtype, ctx)
+        src, dst = x.reshape(-1), flat_view(out)
+        part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
+
+        def run():
+            self._log("alltoall", name, src.nbytes)
+            if name == "native":
+                native.check(self._t, None, ctx)
+                self._t.native_alltoall(src, dst)
+            else:
+                alltoall_alg.alltoall(self._t, src, dst, part)
+            return out
+
+        return self._run(run)
+
+    def barrier(self, algorithm=None):
+        """Return only once every rank has called barrier()."""
+        name = self._pick_simple(algorithm, where(self.rank, "barrier"))
+
+        def run():
+            if name == "native":
+                native.check(self._t, None, where(self.rank, "barrier"))
+                self._t.native_barrier()
+            else:
+                barrier_alg.barrier(self._t, self._ws)
+
+        self._run(run)
+
+    def _pick_simple(self, algorithm, ctx):
+        """Collectives with one ringcoll algorithm: 'auto' (or None) means that one."""
+        if algorithm in (None, "auto", "ring", "tree", "pairwise", "dissemination"):
+            return "ringcoll"
+        if algorithm == "native":
+            return "native"
+        raise ValueError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto' or 'native'")
+
+    def _rows_input(self, x, ctx):
+        x = self._input(x, ctx)
+        if x.ndim == 0:
+            x = x.reshape(1)
+        return np.ascontiguousarray(x)  # axis-0 blocks must be contiguous rows
+
+    def _check_root(self, root, ctx):
+        if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
+            raise ValueError(f"{ctx}root={root!r} is not a rank of this communicator "
+                             f"(0..{self.size - 1})")
+
+    # -- groups and lifetime -------------------------------------------------------------------
+    def split(self, color, key=0):
+        """A Communicator over the ranks that passed the same color, ordered by (key, rank).
+
+        Collective over this communicator. color=None: this rank joins no group, gets None.
+        """
+        self.wait_all()
+        sub = self._t.split(color, key)
+        if sub is None:
+            return None
+        o = self.options
+        return Communicator(transport=sub, local_size=o.local_size, algorithm=o.algorithm,
+                            timeout=o.timeout, segment_bytes=o.segment_bytes, debug=o.debug,
+                            cost_model=self.cost_model)
+
+    def wait_all(self):
+        """Wait for every outstanding non-blocking collective."""
+        if self._tail is not None:
+            self._tail.result()
+
+    def close(self):
+        """Finish outstanding work and free the duplicated communicator."""
+        self.wait_all()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        self._t.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _row_elems(x):
+    return int(np.prod(x.shape[1:], dtype=np.int64)) if x.ndim > 1 else 1
+
+
+def run_threads(size, fn, timeout=None, **options):
+    """Run fn(comm) on `size` in-process ranks (threads); return the results in rank order.
+
+    The thread transport follows MPI's matching rules, so this runs every algorithm exactly as
+    under mpiexec, in one process: handy for tests, experiments and teaching.
+
+    Example::
+
+        ringcoll.run_threads(4, lambda comm: comm.allreduce(np.array([comm.rank])))
+        # -> [array([6]), array([6]), array([6]), array([6])]
+    """
+    from .transport import threads
+
+    opts = Options.from_env(timeout=timeout)
+    wait = opts.timeout or threads.DEFAULT_TIMEOUT
+
+    def body(t):
+        comm = Communicator(transport=t, **options)
+        try:
+            return fn(comm)
+        finally:
+            comm.wait_all()
+
+    return threads.run(size, body, timeout=wait)

@@ -1,0 +1,66 @@
+"""Options, and the one place ringcoll reads its environment variables.
+
+| variable              | meaning                                                            |
+|-----------------------|--------------------------------------------------------------------|
+| RINGCOLL_ALGO         | force an all-reduce algorithm (ring, recursive_doubling, ...)      |
+| RINGCOLL_LOCAL_SIZE   | group consecutive ranks into nodes of this many (hierarchical)     |
+| RINGCOLL_TIMEOUT      | seconds a thread-transport wait may block before failing (0 = off) |
+| RINGCOLL_SEGMENT_BYTES| pipeline segment size of the ring algorithms                       |
+| RINGCOLL_DEBUG        | 1 = print which algorithm each collective ran, on rank 0           |
+
+Explicit constructor arguments always win over the environment.
+"""
+
+import os
+from dataclasses import dataclass, replace
+
+DEFAULT_SEGMENT_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Options:
+    algorithm: str = "auto"
+    local_size: int | None = None
+    timeout: float | None = None
+    segment_bytes: int = DEFAULT_SEGMENT_BYTES
+    debug: bool = False
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides):
+        """Options from RINGCOLL_* variables, then the non-None overrides on top."""
+        env = os.environ if environ is None else environ
+        opts = cls(
+            algorithm=env.get("RINGCOLL_ALGO", "auto") or "auto",
+            local_size=_int(env, "RINGCOLL_LOCAL_SIZE"),
+            timeout=_float(env, "RINGCOLL_TIMEOUT"),
+            segment_bytes=_int(env, "RINGCOLL_SEGMENT_BYTES") or DEFAULT_SEGMENT_BYTES,
+            debug=env.get("RINGCOLL_DEBUG", "0") not in ("", "0", "false", "False"),
+        )
+        given = {k: v for k, v in overrides.items() if v is not None}
+        opts = replace(opts, **given)
+        if opts.local_size is not None and opts.local_size < 1:
+            raise ValueError(f"local_size must be >= 1, got {opts.local_size}")
+        if opts.segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be >= 1, got {opts.segment_bytes}")
+        return opts
+
+
+def _int(env, name):
+    value = env.get(name, "")
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def _float(env, name):
+    value = env.get(name, "")
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+    return seconds if seconds > 0 else None

@@ -1,0 +1,87 @@
+"""Reduction operators: "sum"/"prod"/"max"/"min"/"avg" (or mpi4py's MPI.SUM...) -> kernels.
+
+A ReduceOp knows how to combine two buffers in place, `op(a, b, out)`, and whether it finishes
+with a division (avg). The kernels themselves live in ringcoll.kernels.
+"""
+
+import numpy as np
+
+from . import kernels
+from .arrays import HALF_TYPES
+
+_NAMES = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "avg": "avg", "mean": "avg"}
+
+
+class ReduceOp:
+    __slots__ = ("name", "ufunc", "mpi_name")
+
+    def __init__(self, name):
+        self.name = name
+        self.ufunc = kernels.UFUNCS["sum" if name == "avg" else name]
+        self.mpi_name = "SUM" if name == "avg" else name.upper()
+
+    def __repr__(self):
+        return f"ReduceOp({self.name!r})"
+
+    def bind(self, dtype):
+        """The combine function algorithms call: combine(a, b, out) sets out = a (op) b."""
+        ufunc, acc = self.ufunc, accumulate_dtype(dtype)
+
+        def combine(a, b, out):
+            kernels.reduce_into(ufunc, a, b, out, acc)
+
+        return combine
+
+    def finish(self, buf, size):
+        """The step after the reduction: divide by the process count for 'avg'."""
+        if self.name == "avg" and size > 1 and buf.size:
+            kernels.scale_into(buf, size, accumulate_dtype(buf.dtype))
+
+
+_OPS = {name: ReduceOp(name) for name in ("sum", "prod", "max", "min", "avg")}
+
+
+def get_op(op, where=""):
+    """Accept "sum", ReduceOp, or an mpi4py MPI.Op (MPI.SUM/PROD/MAX/MIN)."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        name = _NAMES.get(op.lower())
+        if name is not None:
+            return _OPS[name]
+    else:
+        name = _mpi_op_name(op)
+        if name is not None:
+            return _OPS[name]
+    raise ValueError(
+        f"{where}unknown reduction op {op!r}; use one of 'sum', 'prod', 'max', 'min', 'avg' "
+        "or MPI.SUM/MPI.PROD/MPI.MAX/MPI.MIN"
+    )
+
+
+def _mpi_op_name(op):
+    try:
+        from mpi4py import MPI
+    except ImportError:  # pragma: no cover
+        return None
+    table = {MPI.SUM: "sum", MPI.PROD: "prod", MPI.MAX: "max", MPI.MIN: "min"}
+    for mpi_op, name in table.items():
+        if op == mpi_op:
+            return name
+    return None
+
+
+def check_op_dtype(op, dtype, where=""):
+    dtype = np.dtype(dtype)
+    if op.name == "avg" and dtype.kind in "iu":
+        raise TypeError(
+            f"{where}op 'avg' on integer dtype {dtype} would have to round; use op='sum' "
+            "and divide yourself, or convert to a float dtype"
+        )
+    if op.name in ("max", "min") and dtype.kind == "c":
+        raise TypeError(f"{where}op '{op.name}' is not defined for complex dtype {dtype}")
+
+
+def accumulate_dtype(dtype):
+    """float16/bfloat16 accumulate in float32 inside each reduction step."""
+    return np.dtype(np.float32) if np.dtype(dtype) in HALF_TYPES else None

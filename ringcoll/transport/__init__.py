@@ -1,0 +1,5 @@
+"""Point-to-point transports the algorithms run on: MPI (real processes) and threads."""
+
+from .base import Tag, Transport, View
+
+__all__ = ["Tag", "Transport", "View"]

@@ -1,0 +1,115 @@
+"""The Transport interface: the only thing an algorithm knows about the outside world.
+
+An algorithm receives a Transport `t` and calls t.send / t.recv / t.sendrecv / t.isend /
+t.irecv / t.wait / t.waitall with 1-D contiguous NumPy arrays, a peer rank and a tag.
+Messages between two ranks with the same tag arrive in the order they were sent (MPI's
+non-overtaking rule), and a receive must be given a buffer of exactly the size sent.
+
+`t.view(members, tag_offset)` gives a Transport over a subset of ranks (used by the
+hierarchical algorithm for its node-local and cross-node groups) that renumbers peers and
+shifts tags, so the same algorithm code runs unchanged on a sub-group.
+"""
+
+from enum import IntEnum
+
+
+class Tag(IntEnum):
+    """Every tag ringcoll uses, in one place. Views add a multiple of VIEW_STRIDE."""
+
+    RING_REDUCE_SCATTER = 1
+    RING_ALLGATHER = 2
+    RD_FOLD = 3
+    RD_EXCHANGE = 4
+    RD_UNFOLD = 5
+    RAB_HALVING = 6
+    RAB_DOUBLING = 7
+    BCAST = 8
+    REDUCE = 9
+    ALLTOALL = 10
+    BARRIER = 11
+    META = 12
+    VIEW_STRIDE = 32
+
+
+class Transport:
+    """Abstract point-to-point transport; see the module docstring for the contract."""
+
+    rank: int
+    size: int
+
+    def send(self, buf, peer, tag):
+        self.wait(self.isend(buf, peer, tag))
+
+    def recv(self, buf, peer, tag):
+        self.wait(self.irecv(buf, peer, tag))
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        """Send to dest and receive from source at once (no deadlock in a ring)."""
+        rreq = self.irecv(recvbuf, source, tag)
+        sreq = self.isend(sendbuf, dest, tag)
+        self.waitall([rreq, sreq])
+
+    def isend(self, buf, peer, tag):
+        raise NotImplementedError
+
+    def irecv(self, buf, peer, tag):
+        raise NotImplementedError
+
+    def wait(self, req):
+        raise NotImplementedError
+
+    def waitall(self, reqs):
+        for req in reqs:
+            self.wait(req)
+
+    def test(self, req):
+        """True if the request has completed (and then it is finished)."""
+        raise NotImplementedError
+
+    def view(self, members, tag_offset):
+        """A Transport over `members` (parent ranks, in group order); see View."""
+        return View(self, members, tag_offset)
+
+
+class View(Transport):
+    """A sub-group of a transport: rank i of the view is parent rank members[i].
+
+    Tags are shifted by tag_offset * Tag.VIEW_STRIDE so traffic of different views sharing
+    a pair of processes can never be confused with each other or with the parent's.
+    """
+
+    def __init__(self, parent, members, tag_offset):
+        members = list(members)
+        if parent.rank not in members:
+            raise ValueError(f"rank {parent.rank} is not a member of the view {members}")
+        self.parent = parent
+        self.members = members
+        self.rank = members.index(parent.rank)
+        self.size = len(members)
+        self.shift = int(tag_offset) * Tag.VIEW_STRIDE
+
+    def isend(self, buf, peer, tag):
+        return self.parent.isend(buf, self.members[peer], tag + self.shift)
+
+    def irecv(self, buf, peer, tag):
+        return self.parent.irecv(buf, self.members[peer], tag + self.shift)
+
+    def send(self, buf, peer, tag):
+        self.parent.send(buf, self.members[peer], tag + self.shift)
+
+    def recv(self, buf, peer, tag):
+        self.parent.recv(buf, self.members[peer], tag + self.shift)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        self.parent.sendrecv(
+            sendbuf, self.members[dest], recvbuf, self.members[source], tag + self.shift
+        )
+
+    def wait(self, req):
+        self.parent.wait(req)
+
+    def waitall(self, reqs):
+        self.parent.waitall(reqs)
+
+    def test(self, req):
+        return self.parent.test(req)

@@ -1,0 +1,196 @@
+"""Thread transport: every rank is a thread of one process.
+
+It follows MPI's matching rules (a message goes to the first posted receive with the same
+source and tag, in order; otherwise it waits in an unexpected queue) and is eager: isend copies
+the payload, so a send never blocks. Receives check the size and fail loudly on a mismatch.
+A rank that fails marks its world failed, and every rank waiting on it raises PeerFailedError
+at once instead of hanging; a wait longer than `timeout` raises CollectiveTimeoutError.
+
+    results = run(4, lambda t: algorithm(t, ...))   # one result per rank
+"""
+
+import threading
+from collections import deque
+
+import numpy as np
+
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
+from .base import Transport
+
+DEFAULT_TIMEOUT = 60.0
+
+
+class _Request:
+    __slots__ = ("done", "error", "buf", "src", "tag", "peer")
+
+    def __init__(self, buf=None, src=None, tag=None):
+        self.done = buf is None
+        self.error = None
+        self.buf, self.src, self.tag = buf, src, tag
+
+
+class ThreadWorld:
+    """Mailboxes shared by the `size` threads of one group."""
+
+    def __init__(self, size, timeout=DEFAULT_TIMEOUT, parent=None):
+        self.size = size
+        self.timeout = timeout
+        self.parent = parent
+        self.cond = parent.cond if parent is not None else threading.Condition()
+        self.unexpected = [deque() for _ in range(size)]  # per destination: (src, tag, bytes)
+        self.posted = [[] for _ in range(size)]  # per destination: receive requests in order
+        self.splits = {}
+        self._failure = None
+
+    def failure(self):
+        world = self
+        while world is not None:
+            if world._failure is not None:
+                return world._failure
+            world = world.parent
+        return None
+
+    def fail(self, rank, exc):
+        with self.cond:
+            if self._failure is None:
+                self._failure = (rank, exc)
+            self.cond.notify_all()
+
+    def transports(self):
+        return [ThreadTransport(self, r) for r in range(self.size)]
+
+
+class ThreadTransport(Transport):
+    def __init__(self, world, rank):
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self._nsplits = 0
+
+    def isend(self, buf, peer, tag):
+        data = buf.view(np.uint8)
+        world = self.world
+        with world.cond:
+            posted = world.posted[peer]
+            for i, req in enumerate(posted):
+                if req.src == self.rank and req.tag == tag:
+                    del posted[i]
+                    _deliver(req, data, self.rank, peer, tag)
+                    world.cond.notify_all()
+                    break
+            else:
+                world.unexpected[peer].append((self.rank, tag, data.copy()))
+        return _Request()
+
+    def irecv(self, buf, peer, tag):
+        req = _Request(buf, peer, tag)
+        world = self.world
+        with world.cond:
+            queue = world.unexpected[self.rank]
+            for i, (src, mtag, data) in enumerate(queue):
+                if src == peer and mtag == tag:
+                    del queue[i]
+                    _deliver(req, data, peer, self.rank, tag)
+                    break
+            else:
+                world.posted[self.rank].append(req)
+        return req
+
+    def wait(self, req):
+        if not req.done:
+            world = self.world
+            with world.cond:
+                ok = world.cond.wait_for(lambda: req.done or world.failure(), world.timeout)
+                if not req.done:
+                    self._raise_stuck(req, ok)
+        if req.error is not None:
+            raise req.error
+
+    def test(self, req):
+        if req.done and req.error is not None:
+            raise req.error
+        return req.done
+
+    def _raise_stuck(self, req, ok):
+        failure = self.world.failure()
+        if failure is not None:
+            rank, exc = failure
+            raise PeerFailedError(
+                f"ringcoll rank {self.rank}: gave up waiting for rank {req.src} (tag {req.tag}) "
+                f"because rank {rank} failed: {type(exc).__name__}: {exc}"
+            )
+        raise CollectiveTimeoutError(
+            f"ringcoll rank {self.rank}: no message from rank {req.src} (tag {req.tag}) within "
+            f"{self.world.timeout} s; a rank skipped a collective or called a different one. "
+            "Raise RINGCOLL_TIMEOUT if the job is just slow."
+        )
+
+    def split(self, color, key):
+        """Collective over this world: a transport on a new world per color (None: no part)."""
+        world, seq = self.world, self._nsplits
+        self._nsplits += 1
+        with world.cond:
+            table = world.splits.setdefault(seq, {})
+            table[self.rank] = (color, key)
+            world.cond.notify_all()
+            if not world.cond.wait_for(
+                lambda: len(table) == world.size or world.failure(), world.timeout
+            ) or len(table) < world.size:
+                self._raise_stuck(_Request(np.empty(0), "any", "split"), False)
+            if color is None:
+                return None
+            members = sorted((r for r, (c, _) in table.items() if c == color),
+                             key=lambda r: (table[r][1], r))
+            sub = world.splits.setdefault((seq, color), ThreadWorld(len(members), world.timeout, world))
+        return ThreadTransport(sub, members.index(self.rank))
+
+    def node_ids(self):
+        return [0] * self.size
+
+    def close(self):
+        pass
+
+
+def _deliver(req, data, src, dst, tag):
+    dest = req.buf.view(np.uint8)
+    if dest.nbytes != data.nbytes:
+        req.error = CollectiveMismatchError(
+            f"ringcoll rank {dst}: received {data.nbytes} bytes from rank {src} (tag {tag}) "
+            f"into a {dest.nbytes}-byte buffer; the ranks disagree on the element count, dtype "
+            "or collective. Pass the same count and dtype on every rank."
+        )
+    else:
+        dest[...] = data
+    req.done = True
+
+
+def run(size, fn, timeout=DEFAULT_TIMEOUT):
+    """Run fn(transport) on `size` threads; return the per-rank results in rank order.
+
+    If any rank raises, the others are released with PeerFailedError and the first genuine
+    error is re-raised here, prefixed with its rank.
+    """
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}")
+    world = ThreadWorld(size, timeout)
+    results, errors = [None] * size, [None] * size
+
+    def body(t):
+        try:
+            results[t.rank] = fn(t)
+        except BaseException as exc:  # noqa: BLE001 - reported below, with its rank
+            errors[t.rank] = exc
+            world.fail(t.rank, exc)
+
+    threads = [threading.Thread(target=body, args=(t,), name=f"ringcoll-rank-{t.rank}",
+                                daemon=True) for t in world.transports()]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    first = next((e for e in errors if e is not None and not isinstance(e, PeerFailedError)),
+                 next((e for e in errors if e is not None), None))
+    if first is not None:
+        first.add_note(f"(raised on rank {errors.index(first)} of {size} thread ranks)")
+        raise first
+    return results

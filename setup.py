@@ -1,0 +1,23 @@
+"""ringcoll: collective communication from scratch in Python over MPI."""
+
+from setuptools import setup
+
+setup(
+    name="ringcoll",
+    version="0.1.0",
+    description="Ring, recursive-doubling, Rabenseifner and hierarchical collectives "
+    "in Python over mpi4py point-to-point",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["ringcoll", "ringcoll.algorithms", "ringcoll.transport", "ringcoll.kernels"],
+    package_dir={"ringcoll.kernels": "kernels"},
+    install_requires=["numpy>=1.23", "mpi4py>=4"],
+    extras_require={
+        "mpich": ["mpich"],
+        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes"],
+        "bench": ["matplotlib"],
+        "cuda": ["cupy"],
+    },
+    license="MIT",
+)
