@@ -80,6 +80,8 @@ class Communicator:
         self.cost_model = cost_model or CostModel()
         self.nodes = self._find_nodes()
         self._ws = Workspace(self.options.segment_bytes)
+        self._combiners = {}  # (op, dtype) -> combine function
+        self._auto = {}  # nbytes -> the algorithm auto picked
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted
 
@@ -164,7 +166,7 @@ class Communicator:
                 raise ValueError(f"{ctx}x is read-only and cannot be reduced in place")
             dst = flat_view(x)
             return dst, dst
-        if np.shares_memory(x, out):
+        if np.may_share_memory(x, out) and np.shares_memory(x, out):
             raise ValueError(f"{ctx}out overlaps x without being x; use out=x for in place "
                              "or a separate buffer")
         dst = flat_view(out)
@@ -175,7 +177,11 @@ class Communicator:
         return flat_view(x), dst
 
     def _combine(self, op, dtype):
-        return op.bind(dtype)
+        key = (op.name, dtype)
+        combine = self._combiners.get(key)
+        if combine is None:
+            combine = self._combiners[key] = op.bind(dtype)
+        return combine
 
     # -- all-reduce --------------------------------------------------------------------------
     def allreduce(self, x, op="sum", algorithm=None, out=None):
@@ -244,7 +250,10 @@ class Communicator:
         if name not in ALLREDUCE_NAMES:
             raise ValueError(f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
         if name == "auto":
-            name = self.cost_model.choose_allreduce(nbytes, self.size, self.nodes)
+            name = self._auto.get(nbytes)
+            if name is None:
+                name = self._auto[nbytes] = self.cost_model.choose_allreduce(
+                    nbytes, self.size, self.nodes)
         return name
 
     def _pick_inner(self, nbytes):
