@@ -140,8 +140,12 @@ class Communicator:
         check_dtype(x.dtype, ctx)
         return x
 
-    def _output(self, out, shape, dtype, ctx, like=None):
-        """Validate a user's out= (or allocate one, laid out like `like`)."""
+    def _output(self, out, shape, dtype, ctx, like=None, rows=False):
+        """Validate a user's out= (or allocate one, laid out like `like`).
+
+        rows=True: the collective writes axis-0 blocks through _rows_target, so any layout
+        of out works; otherwise out must be contiguous (it is reduced into in memory order).
+        """
         if out is None:
             return np.empty_like(like) if like is not None else np.empty(shape, dtype)
         if not isinstance(out, np.ndarray):
@@ -151,10 +155,18 @@ class Communicator:
                              f"shape {tuple(shape)} and dtype {np.dtype(dtype)}")
         if not out.flags.writeable:
             raise ValueError(f"{ctx}out is read-only; pass a writeable array")
-        if flat_view(out) is None:
+        if not rows and flat_view(out) is None:
             raise ValueError(f"{ctx}out is not contiguous; pass a C- or F-contiguous array "
                              "(np.empty(shape, dtype)) and copy the result where you need it")
         return out
+
+    @staticmethod
+    def _rows_target(out):
+        """(flat buffer to write the C-ordered result into, out or None to copy it into)."""
+        if out.flags.c_contiguous:
+            return out.reshape(-1), None
+        staging = np.empty(out.shape, out.dtype)  # an F-ordered or strided out: one copy
+        return staging.reshape(-1), out
 
     def _flat_pair(self, x, out, ctx):
         """Flat views (src, dst) in the same element order; src is dst when out is x."""
@@ -289,8 +301,8 @@ class Communicator:
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
         base, extra = divmod(x.shape[0], self.size)
         rows = base + (1 if self.rank < extra else 0)
-        out = self._output(out, (rows,) + x.shape[1:], x.dtype, ctx)
-        src, dst = x.reshape(-1), flat_view(out)
+        out = self._output(out, (rows,) + x.shape[1:], x.dtype, ctx, rows=True)
+        src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         if name == "native":
             native.check(self._t, x.dtype, ctx)
         combine = self._combine(op, x.dtype)
@@ -304,6 +316,8 @@ class Communicator:
                 ring.reduce_scatter(self._t, src, work, part, combine, self._ws)
                 dst[...] = work[part.slices[self.rank]]
             op.finish(dst, self.size)
+            if copy_to is not None:
+                copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
         return self._run(run)
@@ -328,8 +342,8 @@ class Communicator:
         rows = self._exchange_rows(x, ctx)
         row = _row_elems(x)
         part = Partition([r * row for r in rows])
-        out = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx)
-        src, dst = x.reshape(-1), flat_view(out)
+        out = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx, rows=True)
+        src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
 
         def run():
             self._log("allgather", name, dst.nbytes)
@@ -339,6 +353,8 @@ class Communicator:
             else:
                 dst[part.slices[self.rank]] = src
                 ring.allgather(self._t, dst, part, self._ws)
+            if copy_to is not None:
+                copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
         return self._run(run)
@@ -450,8 +466,8 @@ class Communicator:
             raise ValueError(f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the "
                              f"communicator size {self.size} (one equal block per rank)")
         name = self._pick_simple(algorithm, ctx)
-        out = self._output(out, x.shape, x.dtype, ctx)
-        src, dst = x.reshape(-1), flat_view(out)
+        out = self._output(out, x.shape, x.dtype, ctx, rows=True)
+        src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
 
         def run():
@@ -461,6 +477,8 @@ class Communicator:
                 self._t.native_alltoall(src, dst)
             else:
                 alltoall_alg.alltoall(self._t, src, dst, part)
+            if copy_to is not None:
+                copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
         return self._run(run)

@@ -64,8 +64,10 @@ def _mpi_op_name(op):
         from mpi4py import MPI
     except ImportError:  # pragma: no cover
         return None
-    table = {MPI.SUM: "sum", MPI.PROD: "prod", MPI.MAX: "max", MPI.MIN: "min"}
-    for mpi_op, name in table.items():
+    if not isinstance(op, MPI.Op):
+        return None
+    # mpi4py's Op objects compare with == but cannot be dict keys.
+    for mpi_op, name in ((MPI.SUM, "sum"), (MPI.PROD, "prod"), (MPI.MAX, "max"), (MPI.MIN, "min")):
         if op == mpi_op:
             return name
     return None

@@ -31,10 +31,18 @@ class CostModel:
     inter_beta: float | None = None
 
     def allreduce(self, name, nbytes, p, nodes=None):
-        """Predicted seconds of all-reduce `name` on nbytes at p ranks."""
-        a, b, g, n = self.alpha, self.beta, self.gamma, nbytes
+        """Predicted seconds of all-reduce `name` on nbytes at p ranks.
+
+        A flat algorithm on several nodes is paced by its slowest link, so it pays the
+        inter-node alpha and beta; hierarchical pays them only for its cross-node step.
+        """
         if p == 1:
             return 0.0
+        n, g = nbytes, self.gamma
+        multi_node = nodes is not None and len(nodes) > 1
+        ag = self.inter_alpha if self.inter_alpha is not None else self.alpha
+        bg = self.inter_beta if self.inter_beta is not None else self.beta
+        a, b = (ag, bg) if multi_node else (self.alpha, self.beta)
         if name == "ring":
             return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
         core = 1 << (p.bit_length() - 1)
@@ -46,8 +54,7 @@ class CostModel:
             return 2 * steps * a + 2 * (core - 1) / core * n * b + (core - 1) / core * n * g + fold
         if name == "hierarchical":
             k, big = max(len(m) for m in nodes), len(nodes)
-            ag = self.inter_alpha if self.inter_alpha is not None else a
-            bg = self.inter_beta if self.inter_beta is not None else b
+            a, b = self.alpha, self.beta
             local = 2 * (k - 1) * a + 2 * (k - 1) / k * n * b + (k - 1) / k * n * g
             shard = n / k
             cross = 2 * (big - 1) * ag + 2 * (big - 1) / big * shard * bg + (big - 1) / big * shard * g

@@ -1,0 +1,657 @@
+"""MPI tier worker: mpiexec -n 4 python tests/mpi_checks.py [--light] [--report FILE]
+
+Runs ringcoll's collectives under real MPI (every algorithm, native included; hierarchical on
+several "nodes" via local_size=2 and RINGCOLL_LOCAL_SIZE=3) and checks them on every rank against
+oracles that do not use ringcoll: MPI's own collectives (MPI.COMM_WORLD.Allreduce, ...), and NumPy
+on the inputs (each rank can rebuild every rank's input from its seed, tests/_oracle.py, or gathers
+them with mpi4py's pickle-based lower-case collectives). Every result is also checked to be bitwise
+identical on all ranks.
+
+Exit status: 0 only if every check passed on every rank. A failed check is recorded and the run
+goes on (the ranks stay in step); at the end the failure count is summed over MPI.COMM_WORLD and
+every rank exits 1 if it is non-zero. An unexpected exception on one rank calls
+MPI.COMM_WORLD.Abort(1), and a rank that reaches the end of a group of checks waits at most
+--sync-timeout seconds for the others (a rank stuck in a collective) before aborting, so a failure
+can never become a hang.
+
+Options: --light (fewer sizes and roots: for 8 ranks on a small machine), --report FILE (rank 0
+writes {group: {"checks": n, "failures": [...]}} as JSON), --only GROUP[,GROUP] (run some groups),
+--inject check|raise|stuck (make rank 1 fail on purpose: tests/test_mpi.py proves that failures
+propagate to mpiexec's exit status).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _oracle as O  # noqa: E402
+
+import ringcoll  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+RANK, P = WORLD.Get_rank(), WORLD.Get_size()
+NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no half types
+
+GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "broadcast", "reduce",
+          "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out", "errors",
+          "compat"]
+
+
+class Checker:
+    def __init__(self):
+        self.group = None
+        self.checks = {}
+        self.failures = {}
+
+    def start(self, group):
+        self.group = group
+        self.checks.setdefault(group, 0)
+        self.failures.setdefault(group, [])
+
+    def check(self, ok, msg):
+        self.checks[self.group] += 1
+        if not ok:
+            self.failures[self.group].append(f"rank {RANK}/{P} [{self.group}] {msg}")
+        return bool(ok)
+
+    def attempt(self, label, fn):
+        """Run one call that should succeed; an exception is a failed check (then the run goes
+        on: ringcoll validates arguments before any message, so a rejected call leaves every
+        rank in step; if not, the end-of-group sync aborts)."""
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - recorded as a failure
+            self.check(False, f"{label}: raised {type(exc).__name__}: {exc}")
+            return None
+
+    def raises(self, label, exc_types, fn, match=None):
+        try:
+            fn()
+        except exc_types as exc:
+            self.check(f"ringcoll rank {RANK}," in str(exc) or "ringcoll.wrap" in str(exc),
+                       f"{label}: message does not name this rank: {exc}")
+            self.check(match is None or match in str(exc), f"{label}: {match!r} not in {exc}")
+            return exc
+        except Exception as exc:  # noqa: BLE001
+            self.check(False, f"{label}: raised {type(exc).__name__} ({exc}), expected {exc_types}")
+            return exc
+        self.check(False, f"{label}: no exception, expected {exc_types}")
+        return None
+
+    def result(self, label, got, expected, op, dtype):
+        bad = O.compare(got, expected, op, dtype) if got is not None else "no result"
+        return self.check(bad is None, f"{label}: {bad}")
+
+    def identical(self, label, y):
+        """Bitwise identity of y across all ranks (MPI's own allgather of a digest)."""
+        y = np.asarray(y)
+        digest = (y.dtype.str, y.shape, hashlib.sha1(y.tobytes()).hexdigest())
+        every = WORLD.allgather(digest)
+        bad = [r for r, d in enumerate(every) if d != every[0]]
+        return self.check(not bad, f"{label}: ranks {bad} differ bitwise from rank 0")
+
+
+CK = Checker()
+
+
+def sync(group, timeout):
+    """Wait (at most timeout s) until every rank has finished `group`; abort if one is stuck."""
+    req = WORLD.Ibarrier()
+    deadline = time.time() + timeout
+    while not req.Test():
+        if time.time() > deadline:
+            print(f"rank {RANK}: other ranks did not finish group {group!r} within {timeout} s "
+                  "(a rank is stuck in a collective, or raised where the others did not); "
+                  f"failures so far: {CK.failures.get(group)}; aborting", file=sys.stderr,
+                  flush=True)
+            WORLD.Abort(1)
+        time.sleep(0.0005)
+
+
+def mpi_reference(x, op):
+    """MPI_Allreduce of x, in x's dtype (float32 for the half types, float64 for avg)."""
+    dtype = x.dtype
+    if op == "avg":
+        wide = np.complex128 if dtype.kind == "c" else np.float64
+        src = x.astype(wide)
+        ref = np.empty_like(src)
+        WORLD.Allreduce(src, ref, op=MPI.SUM)
+        return (ref / P).astype(dtype)
+    src = x.astype(np.float32) if dtype in O.HALF_DTYPES else x.copy()
+    ref = np.empty_like(src)
+    mpi_op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
+    WORLD.Allreduce(src, ref, op=mpi_op)
+    return ref.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+def make_comms():
+    comms = {"world": ringcoll.Communicator(),
+             "ls2_seg64": ringcoll.Communicator(local_size=2, segment_bytes=64)}
+    os.environ["RINGCOLL_LOCAL_SIZE"] = "3"
+    try:
+        comms["env_ls3"] = ringcoll.Communicator()
+    finally:
+        del os.environ["RINGCOLL_LOCAL_SIZE"]
+    CK.start("allreduce")
+    for name, k in (("ls2_seg64", 2), ("env_ls3", 3)):
+        expected = [list(range(i, min(i + k, P))) for i in range(0, P, k)]
+        CK.check(comms[name].nodes == expected, f"{name}: nodes {comms[name].nodes} != {expected}")
+        node = next(m for m in expected if RANK in m)
+        CK.check(comms[name].local_rank == node.index(RANK)
+                 and comms[name].local_size == len(node), f"{name}: local rank/size")
+    # one machine: MPI's shared-memory split puts every rank on one node
+    CK.check(comms["world"].nodes == [list(range(P))], f"world nodes {comms['world'].nodes}")
+    CK.check((comms["world"].rank, comms["world"].size) == (RANK, P), "rank/size")
+    return comms
+
+
+def check_allreduce(comms, light):
+    counts = sorted({0, P + 1, 10007} if light else {0, 1, max(P - 1, 0), P, P + 1, 10007})
+    slot = 0
+    for cname, comm in comms.items():
+        for algo in ringcoll.ALLREDUCE_NAMES:
+            for count in counts:
+                for in_place in (False, True):
+                    dtype, op = O.COMBOS[(7 * slot + 3 * P) % len(O.COMBOS)]
+                    slot += 1
+                    if algo == "native" and dtype in O.HALF_DTYPES:
+                        dtype = np.dtype(np.float32)
+                    seed = 10_000 + slot
+                    x = O.make_input(seed, RANK, (count,), dtype, op)
+                    before = x.copy()
+                    label = f"{cname} {algo} count={count} {dtype} {op} in_place={in_place}"
+                    if in_place:
+                        y = CK.attempt(label, lambda: comm.allreduce(x, op=op, algorithm=algo,
+                                                                     out=x))
+                        CK.check(y is x, f"{label}: did not return x")
+                    else:
+                        y = CK.attempt(label, lambda: comm.allreduce(x, op=op, algorithm=algo))
+                        CK.check(x.tobytes() == before.tobytes(), f"{label}: input modified")
+                    expected = O.reduce_oracle([O.make_input(seed, r, (count,), dtype, op)
+                                                for r in range(P)], op, dtype)
+                    CK.result(label + " vs NumPy", y, expected, op, dtype)
+                    CK.result(label + " vs MPI_Allreduce", y, mpi_reference(before, op), op, dtype)
+                    CK.identical(label, y if y is not None else np.zeros(0))
+
+
+def check_allreduce_floats(comms, light):
+    """Random (non-exact) floats: bitwise identical everywhere, close to MPI's float64 sum."""
+    n = 3001 if light else 20011
+    dtypes = [np.float16, np.float32, np.float64, np.complex64] + (
+        [O.BFLOAT16] if O.BFLOAT16 is not None else [])
+    for cname, comm in comms.items():
+        for algo in ringcoll.ALLREDUCE_NAMES:
+            for i, dt in enumerate(dtypes):
+                dt = np.dtype(dt)
+                if algo == "native" and dt in O.HALF_DTYPES:
+                    continue
+                seed = 20_000 + i
+                x = O.random_floats(seed, RANK, (n,), dt)
+                label = f"{cname} {algo} random {dt}"
+                y = CK.attempt(label, lambda: comm.allreduce(x, algorithm=algo))
+                if y is None:
+                    continue
+                CK.identical(label, y)
+                exact = np.empty(n, O.wide(dt))
+                WORLD.Allreduce(O._cmp_view(x).astype(O.wide(dt)), exact, op=MPI.SUM)
+                inputs = [O.random_floats(seed, r, (n,), dt) for r in range(P)]
+                err = np.abs(O._cmp_view(y).astype(O.wide(dt)) - exact)
+                CK.check(np.all(err <= O.float_tolerance(inputs, dt)),
+                         f"{label}: max error {err.max()} over the rounding bound")
+
+
+def check_reduce_scatter(comms, light):
+    rows_list = sorted({0, P + 1, 2 * P + 3} if light else {0, 1, max(P - 1, 0), P, P + 1,
+                                                           2 * P + 3})
+    slot = 0
+    for cname in ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for algo in (None, "native"):
+            for rows in rows_list:
+                for trail in ((), (3,)):
+                    dtype, op = O.COMBOS[(5 * slot + P) % len(O.COMBOS)]
+                    slot += 1
+                    if algo == "native" and dtype in O.HALF_DTYPES:
+                        dtype = np.dtype(np.float64)
+                    seed, shape = 30_000 + slot, (rows,) + trail
+                    x = O.make_input(seed, RANK, shape, dtype, op)
+                    label = f"{cname} {algo} shape={shape} {dtype} {op}"
+                    y = CK.attempt(label, lambda: comm.reduce_scatter(x, op=op, algorithm=algo))
+                    full = O.reduce_oracle([O.make_input(seed, r, shape, dtype, op)
+                                            for r in range(P)], op, dtype)
+                    CK.result(label, y, np.array_split(full, P)[RANK], op, dtype)
+    # and MPI's own MPI_Reduce_scatter as the oracle
+    x = O.make_input(31_000, RANK, (2 * P + 1, 2), np.float64)
+    counts = [len(b) * 2 for b in np.array_split(np.empty(2 * P + 1), P)]
+    ref = np.empty(counts[RANK])
+    WORLD.Reduce_scatter(x, ref, counts, op=MPI.SUM)
+    y = CK.attempt("vs MPI_Reduce_scatter", lambda: comms["world"].reduce_scatter(x))
+    CK.check(y is not None and np.array_equal(y.reshape(-1), ref), "vs MPI_Reduce_scatter")
+
+
+def check_allgather(comms, light):
+    for cname in ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for algo in (None, "native"):
+            cases = [((RANK * 7 + 3) % 4, (), np.dtype(np.int32)),
+                     ((RANK * 5 + 1) % 3, (2, 3), np.dtype(np.complex64)),
+                     (1001 if RANK == P // 2 else 2, (), np.dtype(np.float64)),
+                     (0, (2,), np.dtype(np.uint8))]
+            if algo is None and O.BFLOAT16 is not None:
+                cases.append((RANK % 2 + 1, (3,), O.BFLOAT16))
+            for i, (rows, trail, dtype) in enumerate(cases):
+                x = O.make_input(40_000 + i, RANK, (rows,) + trail, dtype)
+                label = f"{cname} {algo} rows={rows} trail={trail} {dtype}"
+                y = CK.attempt(label, lambda: comm.allgather(x, algorithm=algo))
+                expected = np.concatenate(WORLD.allgather(x))  # NumPy on the gathered inputs
+                CK.check(y is not None and y.shape == expected.shape and y.dtype == dtype
+                         and y.tobytes() == expected.tobytes(), f"{label}: wrong result")
+    y = CK.attempt("0-d", lambda: comms["world"].allgather(np.float32(RANK)))
+    CK.check(y is not None and y.tolist() == list(range(P)), f"0-d allgather: {y}")
+
+
+def check_broadcast(comms, light):
+    roots = sorted({0, P - 1, P // 2}) if light else range(P)
+    comm = comms["world"]
+    for algo in (None, "native"):
+        for root in roots:
+            for i, shape in enumerate([(0,), (1,), (10007,), (3, 4), ()]):
+                dtype = NATIVE_OK[(root + 3 * i) % len(NATIVE_OK)]
+                seed = 50_000 + 100 * root + i
+                if RANK == root:
+                    x = O.make_input(seed, root, shape, dtype)
+                else:
+                    x = np.full(shape, 7, dtype)
+                label = f"{algo} root={root} shape={shape} {dtype}"
+                y = CK.attempt(label, lambda: comm.broadcast(x, root=root, algorithm=algo))
+                CK.check(y is x, f"{label}: did not return x")
+                expected = O.make_input(seed, root, shape, dtype)
+                CK.check(x.tobytes() == expected.tobytes(), f"{label}: wrong data")
+
+
+def check_reduce(comms, light):
+    roots = sorted({0, P - 1}) if light else range(P)
+    comm = comms["world"]
+    slot = 0
+    for algo in (None, "native"):
+        for root in roots:
+            for i, shape in enumerate([(7,), (0,), (), (4, 3), (10007,)]):
+                dtype, op = O.COMBOS[(3 * slot + P) % len(O.COMBOS)]
+                slot += 1
+                if algo == "native" and dtype in O.HALF_DTYPES:
+                    dtype = np.dtype(np.float32)
+                seed = 60_000 + slot
+                x = O.make_input(seed, RANK, shape, dtype, op)
+                before = x.copy()
+                label = f"{algo} root={root} shape={shape} {dtype} {op}"
+                in_place = RANK == root and slot % 2 == 0
+                y = CK.attempt(label, lambda: comm.reduce(x, op=op, root=root, algorithm=algo,
+                                                          out=x if in_place else None))
+                if RANK == root:
+                    expected = O.reduce_oracle([O.make_input(seed, r, shape, dtype, op)
+                                                for r in range(P)], op, dtype)
+                    CK.result(label, y, expected, op, dtype)
+                    CK.check(not in_place or y is x, f"{label}: in place did not return x")
+                else:
+                    CK.check(y is None, f"{label}: non-root got {y!r}")
+                    CK.check(x.tobytes() == before.tobytes(), f"{label}: non-root input modified")
+    # MPI_Reduce as the oracle
+    x = O.make_input(61_000, RANK, (33,), np.int64)
+    ref = np.empty_like(x) if RANK == P - 1 else None
+    WORLD.Reduce(x, ref, op=MPI.SUM, root=P - 1)
+    y = CK.attempt("vs MPI_Reduce", lambda: comm.reduce(x, root=P - 1))
+    CK.check(RANK != P - 1 or (y is not None and np.array_equal(y, ref)), "vs MPI_Reduce")
+
+
+def check_alltoall(comms, light):
+    for cname in ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for algo in (None, "native"):
+            for i, (per, trail) in enumerate([(1, ()), (3, (2,)), (0, (4,)), (2, (2, 2))]):
+                dtype = NATIVE_OK[(i + P) % len(NATIVE_OK)]
+                x = O.make_input(70_000 + i, RANK, (per * P,) + trail, dtype)
+                label = f"{cname} {algo} per={per} trail={trail} {dtype}"
+                y = CK.attempt(label, lambda: comm.alltoall(x, algorithm=algo))
+                blocks = WORLD.alltoall([x[j * per:(j + 1) * per] for j in range(P)])
+                expected = np.concatenate(blocks)
+                CK.check(y is not None and y.shape == expected.shape
+                         and y.tobytes() == expected.tobytes(), f"{label}: wrong blocks")
+
+
+def check_barrier(comms, light, tmpdir):
+    """Files as witnesses: after barrier() no rank may see a missing arrival file."""
+    comm = comms["world"]
+    for k, algo in enumerate((None, "native", None)):
+        if RANK == k % P:
+            time.sleep(0.05)  # a late rank
+        with open(os.path.join(tmpdir, f"arrived.{k}.{RANK}"), "w"):
+            pass
+        CK.attempt(f"barrier {algo}", lambda: comm.barrier(algorithm=algo))
+        missing = [r for r in range(P)
+                   if not os.path.exists(os.path.join(tmpdir, f"arrived.{k}.{r}"))]
+        CK.check(not missing, f"round {k} ({algo}): left the barrier before ranks {missing} "
+                 "arrived")
+
+
+def check_iallreduce(comms, light):
+    comm = comms["ls2_seg64"]
+    specs = [  # (algorithm, dtype, op, count, in place)
+        ("ring", np.float64, "sum", 1001, False),
+        ("recursive_doubling", np.int32, "max", 5, True),
+        ("rabenseifner", np.float32, "prod", 64, False),
+        ("hierarchical", np.int64, "sum", 3, True),
+        ("native", np.float64, "min", 100, False),
+        ("auto", np.complex128, "sum", 0, False),
+    ]
+    xs, reqs = [], []
+    for i, (algo, dt, op, n, in_place) in enumerate(specs):
+        x = O.make_input(80_000 + i, RANK, (n,), dt, op)
+        xs.append(x)
+        reqs.append(CK.attempt(f"iallreduce {algo}", lambda: comm.iallreduce(
+            x, op=op, algorithm=algo, out=x if in_place else None)))
+    g = CK.attempt("allgather after iallreduce", lambda: comm.allgather(np.array([RANK * 10])))
+    CK.check(g is not None and g.tolist() == [10 * r for r in range(P)], f"allgather: {g}")
+    for i, ((algo, dt, op, n, in_place), req) in enumerate(zip(specs, reqs)):
+        if req is None:
+            continue
+        y = CK.attempt(f"wait {algo}", req.wait)
+        CK.check(req.test(), f"{algo}: test() False after wait()")
+        CK.check(not in_place or y is xs[i], f"{algo}: in place did not return x")
+        expected = O.reduce_oracle([O.make_input(80_000 + i, r, (n,), dt, op)
+                                    for r in range(P)], op, dt)
+        CK.result(f"iallreduce {algo}", y, expected, op, dt)
+        CK.identical(f"iallreduce {algo}", y if y is not None else np.zeros(0))
+
+
+def check_split(comms, light):
+    comm = comms["ls2_seg64"]
+    color, key = RANK % 2, -RANK
+    sub = CK.attempt("split", lambda: comm.split(color, key=key))
+    ref = WORLD.Split(color, key)
+    try:
+        CK.check(sub is not None and (sub.rank, sub.size) == (ref.Get_rank(), ref.Get_size()),
+                 "sub rank/size differ from MPI_Comm_split's")
+        if sub is not None:
+            for algo in ringcoll.ALLREDUCE_NAMES:
+                x = O.make_input(90_000, RANK, (257,), np.int64)
+                y = CK.attempt(f"sub {algo}", lambda: sub.allreduce(x, algorithm=algo))
+                expected = np.empty_like(x)
+                ref.Allreduce(x, expected, op=MPI.SUM)
+                CK.check(y is not None and np.array_equal(y, expected), f"sub allreduce {algo}")
+            g = CK.attempt("sub allgather", lambda: sub.allgather(np.array([RANK])))
+            CK.check(g is not None and g.tolist() == ref.allgather(RANK), f"sub allgather {g}")
+            sub.close()
+    finally:
+        ref.Free()
+    none = CK.attempt("split None", lambda: comm.split(None if RANK == 0 else 1))
+    CK.check((none is None) == (RANK == 0), "color=None must give None, and only there")
+    if none is not None:
+        y = CK.attempt("split None allreduce", lambda: none.allreduce(np.array([RANK])))
+        CK.check(y is not None and y.tolist() == [sum(range(1, P))], f"group without 0: {y}")
+        none.close()
+    y = CK.attempt("parent after split", lambda: comm.allreduce(np.array([1])))
+    CK.check(y is not None and y.tolist() == [P], "parent after split")
+
+
+def check_layouts(comms, light):
+    comm = comms["ls2_seg64"]
+    for algo in ringcoll.ALLREDUCE_NAMES:
+        base = O.make_input(95_000, RANK, (6, 20), np.float64)
+        full = sum(O.make_input(95_000, r, (6, 20), np.float64) for r in range(P))
+        for kind, x, exp in [("F", np.asfortranarray(base), full),
+                             ("strided", base[:, ::3], full[:, ::3]),
+                             ("transposed", base.T, full.T)]:
+            y = CK.attempt(f"{algo} {kind}", lambda: comm.allreduce(x, algorithm=algo))
+            CK.check(y is not None and np.array_equal(y, exp), f"{algo} {kind}: wrong values")
+            CK.identical(f"{algo} {kind}", y if y is not None else np.zeros(0))
+        z = np.asfortranarray(base)
+        y = CK.attempt(f"{algo} F in place", lambda: comm.allreduce(z, algorithm=algo, out=z))
+        CK.check(y is z and np.array_equal(z, full), f"{algo} F in place")
+        s = CK.attempt(f"{algo} 0-d", lambda: comm.allreduce(np.array(RANK + 0.5), algorithm=algo))
+        CK.check(s is not None and s.shape == () and s == sum(r + 0.5 for r in range(P)),
+                 f"{algo} 0-d: {s!r}")
+    y = CK.attempt("reduce strided", lambda: comm.reduce(base[:, ::3], root=0))
+    CK.check(RANK != 0 or (y is not None and np.array_equal(y, full[:, ::3])), "reduce strided")
+
+
+def check_fortran_out(comms, light):
+    """out= may be F-contiguous (it is accepted): it must then hold the right values."""
+    comm = comms["world"]
+    x = O.make_input(96_000, RANK, (2 * P, 3), np.float64)
+    full = sum(O.make_input(96_000, r, (2 * P, 3), np.float64) for r in range(P))
+    everyone = [O.make_input(96_000, r, (2 * P, 3), np.float64) for r in range(P)]
+    for algo in (None, "native"):
+        y = CK.attempt(f"reduce_scatter {algo}", lambda: comm.reduce_scatter(
+            x, out=np.empty((2, 3), order="F"), algorithm=algo))
+        CK.check(y is not None and np.array_equal(y, full[2 * RANK:2 * RANK + 2]),
+                 f"reduce_scatter {algo} into an F-ordered out: wrong values")
+        y = CK.attempt(f"allgather {algo}", lambda: comm.allgather(
+            x, out=np.empty((2 * P * P, 3), order="F"), algorithm=algo))
+        CK.check(y is not None and np.array_equal(y, np.concatenate(everyone)),
+                 f"allgather {algo} into an F-ordered out: wrong values")
+        y = CK.attempt(f"alltoall {algo}", lambda: comm.alltoall(
+            x, out=np.empty((2 * P, 3), order="F"), algorithm=algo))
+        expected = np.concatenate([e[2 * RANK:2 * RANK + 2] for e in everyone])
+        CK.check(y is not None and np.array_equal(y, expected),
+                 f"alltoall {algo} into an F-ordered out: wrong values")
+
+
+def check_errors(comms, light):
+    comm = comms["world"]
+    CK.raises("bad op", ValueError, lambda: comm.allreduce(np.ones(3), op="xor"), "op")
+    CK.raises("avg int", TypeError, lambda: comm.allreduce(np.ones(3, np.int32), op="avg"))
+    CK.raises("max complex", TypeError, lambda: comm.allreduce(np.ones(3, np.complex64), op="max"))
+    CK.raises("bool dtype", TypeError, lambda: comm.allreduce(np.ones(3, bool)))
+    CK.raises("object dtype", TypeError, lambda: comm.allgather(np.array([None, 1])))
+    CK.raises("native float16", TypeError,
+              lambda: comm.allreduce(np.ones(3, np.float16), algorithm="native"), "float32")
+    CK.raises("unknown algorithm", ValueError, lambda: comm.allreduce(np.ones(3), algorithm="x"))
+    CK.raises("bad root", ValueError, lambda: comm.broadcast(np.ones(3), root=P), "root")
+    CK.raises("bad root reduce", ValueError, lambda: comm.reduce(np.ones(3), root=-1), "root")
+    CK.raises("out shape", ValueError, lambda: comm.allreduce(np.ones(3), out=np.empty(4)))
+    ro = np.empty(3)
+    ro.flags.writeable = False
+    CK.raises("read-only out", ValueError, lambda: comm.allreduce(np.ones(3), out=ro))
+    if P > 1:
+        CK.raises("alltoall rows", ValueError, lambda: comm.alltoall(np.ones((P + 1, 2))))
+        # allgather's exchange finds it on every rank (no early release under MPI)
+        CK.raises("allgather trailing", ringcoll.CollectiveMismatchError,
+                  lambda: comm.allgather(np.ones((2, 3 if RANK != P - 1 else 4))), "trailing")
+    y = CK.attempt("after errors", lambda: comm.allreduce(np.array([RANK])))
+    CK.check(y is not None and y.tolist() == [P * (P - 1) // 2], "communicator usable after errors")
+
+
+def check_compat(comms, light):
+    """ringcoll.wrap(COMM_WORLD)'s upper-case methods against COMM_WORLD's own."""
+    c = CK.attempt("wrap", lambda: ringcoll.wrap(WORLD))
+    if c is None:
+        return
+    CK.check(c.Get_rank() == RANK and c.Get_size() == P, "pass-through Get_rank/Get_size")
+    x = O.make_input(99_000, RANK, (1001,), np.float64)
+
+    def same(label, fn_ours, fn_ref, make):
+        a, b = make(), make()
+        CK.attempt(label, lambda: fn_ours(a))
+        fn_ref(b)
+        CK.check(all(np.array_equal(u, v) for u, v in zip(a, b)), f"{label}: differs from MPI")
+
+    same("Allreduce", lambda bufs: c.Allreduce(x, bufs[0]),
+         lambda bufs: WORLD.Allreduce(x, bufs[0]), lambda: [np.empty_like(x)])
+    same("Allreduce MAX spec", lambda bufs: c.Allreduce([x, MPI.DOUBLE], [bufs[0], MPI.DOUBLE],
+                                                        op=MPI.MAX),
+         lambda bufs: WORLD.Allreduce(x, bufs[0], op=MPI.MAX), lambda: [np.empty_like(x)])
+    same("Allreduce IN_PLACE", lambda bufs: c.Allreduce(MPI.IN_PLACE, bufs[0]),
+         lambda bufs: WORLD.Allreduce(MPI.IN_PLACE, bufs[0]), lambda: [x.copy()])
+    xi = O.make_input(99_001, RANK, (P * 5,), np.int32, "prod")
+    same("Reduce_scatter_block", lambda bufs: c.Reduce_scatter_block(xi, bufs[0]),
+         lambda bufs: WORLD.Reduce_scatter_block(xi, bufs[0]), lambda: [np.empty(5, np.int32)])
+    same("Reduce_scatter_block PROD", lambda bufs: c.Reduce_scatter_block(xi, bufs[0],
+                                                                          op=MPI.PROD),
+         lambda bufs: WORLD.Reduce_scatter_block(xi, bufs[0], op=MPI.PROD),
+         lambda: [np.empty(5, np.int32)])
+    s = O.make_input(99_002, RANK, (3, 2), np.float32)
+    same("Allgather", lambda bufs: c.Allgather(s, bufs[0]),
+         lambda bufs: WORLD.Allgather(s, bufs[0]), lambda: [np.empty((3 * P, 2), np.float32)])
+
+    def inplace_gather():
+        buf = np.zeros((P, 3), np.int64)
+        buf[RANK] = RANK + 100
+        return [buf]
+
+    same("Allgather IN_PLACE", lambda bufs: c.Allgather(MPI.IN_PLACE, bufs[0]),
+         lambda bufs: WORLD.Allgather(MPI.IN_PLACE, bufs[0]), inplace_gather)
+    for root in sorted({0, P - 1}):
+        same(f"Bcast root={root}", lambda bufs: c.Bcast(bufs[0], root=root),
+             lambda bufs: WORLD.Bcast(bufs[0], root=root),
+             lambda: [x.copy() if RANK == root else np.zeros_like(x)])
+        same(f"Reduce root={root}",
+             lambda bufs: c.Reduce(x, bufs[0] if RANK == root else None, root=root),
+             lambda bufs: WORLD.Reduce(x, bufs[0] if RANK == root else None, root=root),
+             lambda: [np.zeros_like(x)])
+        same(f"Reduce IN_PLACE root={root}",
+             lambda bufs: c.Reduce(MPI.IN_PLACE if RANK == root else bufs[0],
+                                   bufs[0] if RANK == root else None, op=MPI.MIN, root=root),
+             lambda bufs: WORLD.Reduce(MPI.IN_PLACE if RANK == root else bufs[0],
+                                       bufs[0] if RANK == root else None, op=MPI.MIN, root=root),
+             lambda: [x.copy()])
+    a = O.make_input(99_003, RANK, (P, 4), np.int16)
+    same("Alltoall", lambda bufs: c.Alltoall(a, bufs[0]),
+         lambda bufs: WORLD.Alltoall(a, bufs[0]), lambda: [np.empty_like(a)])
+    CK.attempt("Barrier", c.Barrier)
+    d = CK.attempt("Dup pass-through", c.Dup)
+    CK.check(d is not None and d.Get_size() == P, "Dup pass-through")
+    if d is not None:
+        d.Free()
+    CK.attempt("Free", c.Free)
+
+
+# ---------------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--light", action="store_true")
+    ap.add_argument("--report")
+    ap.add_argument("--only")
+    ap.add_argument("--tmpdir")
+    ap.add_argument("--sync-timeout", type=float, default=60.0)
+    ap.add_argument("--inject", choices=["check", "raise", "stuck"])
+    args = ap.parse_args()
+    start = time.time()
+
+    if args.inject:
+        inject(args)
+    groups = args.only.split(",") if args.only else GROUPS
+    unknown = set(groups) - set(GROUPS)
+    if unknown:
+        raise SystemExit(f"unknown groups {sorted(unknown)}; choose from {GROUPS}")
+
+    tmpdir = args.tmpdir
+    if tmpdir is None:
+        tmpdir = WORLD.bcast(tempfile.mkdtemp(prefix="ringcoll-barrier-") if RANK == 0 else None)
+    comms = make_comms()
+    sync("setup", args.sync_timeout)
+    runners = {
+        "allreduce": lambda: check_allreduce(comms, args.light),
+        "allreduce_floats": lambda: check_allreduce_floats(comms, args.light),
+        "reduce_scatter": lambda: check_reduce_scatter(comms, args.light),
+        "allgather": lambda: check_allgather(comms, args.light),
+        "broadcast": lambda: check_broadcast(comms, args.light),
+        "reduce": lambda: check_reduce(comms, args.light),
+        "alltoall": lambda: check_alltoall(comms, args.light),
+        "barrier": lambda: check_barrier(comms, args.light, tmpdir),
+        "iallreduce": lambda: check_iallreduce(comms, args.light),
+        "split": lambda: check_split(comms, args.light),
+        "layouts": lambda: check_layouts(comms, args.light),
+        "fortran_out": lambda: check_fortran_out(comms, args.light),
+        "errors": lambda: check_errors(comms, args.light),
+        "compat": lambda: check_compat(comms, args.light),
+    }
+    times = {}
+    for group in groups:
+        t0 = time.time()
+        CK.start(group)
+        try:
+            runners[group]()
+        except Exception as exc:  # noqa: BLE001 - a bug in a check, or an unexpected raise
+            CK.check(False, f"unexpected {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        sync(group, args.sync_timeout)
+        times[group] = round(time.time() - t0, 3)
+    for comm in comms.values():
+        comm.close()
+    if args.tmpdir is None and RANK == 0:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    finish(args, times, time.time() - start)
+
+
+def finish(args, times, elapsed):
+    mine = [f for group in CK.failures for f in CK.failures[group]]
+    total = WORLD.allreduce(len(mine), op=MPI.SUM)
+    checks = WORLD.allreduce(sum(CK.checks.values()), op=MPI.SUM)
+    every = WORLD.gather(CK.failures, root=0)
+    counts = WORLD.gather(CK.checks, root=0)
+    if RANK == 0:
+        report = {g: {"checks": sum(c.get(g, 0) for c in counts),
+                      "failures": [f for fl in every for f in fl.get(g, [])],
+                      "seconds": times.get(g)} for g in CK.checks}
+        for group, rep in report.items():
+            print(f"mpi_checks P={P} {group:16s} {rep['checks']:6d} checks "
+                  f"{len(rep['failures']):4d} failures  {rep['seconds']} s", flush=True)
+        for rep in report.values():
+            for f in rep["failures"][:25]:
+                print("FAIL " + f, flush=True)
+        print(f"mpi_checks P={P}: {checks} checks, {total} failures, {elapsed:.1f} s", flush=True)
+        if args.report:
+            with open(args.report, "w") as fh:
+                json.dump(report, fh, indent=1)
+    sys.stdout.flush()
+    if total:
+        sys.exit(1)
+
+
+def inject(args):
+    """Deliberate failures on rank 1 (rank 0 when alone), to prove they reach the exit status."""
+    bad = min(1, P - 1)
+    comm = ringcoll.Communicator()
+    if args.inject == "check":
+        CK.start("inject")
+        y = comm.allreduce(np.array([1]))
+        CK.check(y.tolist() == [P] and RANK != bad, "injected failure: this check fails on purpose")
+        finish(args, {}, 0.0)
+        sys.exit(0)
+    if args.inject == "raise":
+        if RANK == bad:  # the others wait for it inside a ringcoll collective
+            raise RuntimeError("injected exception on purpose")
+        comm.allreduce(np.ones(10), algorithm="ring")
+        comm.barrier()
+    if args.inject == "stuck":  # an exception inside a group, where the others still wait
+        CK.start("inject")
+        try:
+            if RANK == bad:
+                raise RuntimeError("injected exception inside a group")
+            comm.allreduce(np.ones(10), algorithm="ring")
+        except RuntimeError as exc:
+            CK.check(False, str(exc))
+        sync("inject", args.sync_timeout)
+    finish(args, {}, 0.0)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: BLE001 - never leave the other ranks hanging
+        print(f"rank {RANK}/{P}: unexpected exception, aborting the job:\n"
+              f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+        WORLD.Abort(1)
