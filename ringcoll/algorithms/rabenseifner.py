@@ -22,14 +22,14 @@ from .recursive_doubling import core_rank, fold, fold_in, fold_out, real_rank
 
 def allreduce(t, src, dst, combine, ws):
     """dst = reduction of every rank's src. dst may be src (in place)."""
-    if dst is not src:
-        dst[...] = src
     p, n = t.size, dst.size
     if p == 1 or n == 0:
+        if dst is not src:
+            dst[...] = src
         return
     core, rem = fold(p)
     tmp = ws.scratch("rab.tmp", n, dst.dtype)
-    fold_in(t, dst, tmp, combine, rem)
+    cur = fold_in(t, src, dst, tmp, combine, rem)  # this rank's data: src until first reduce
     me = core_rank(t.rank, rem)
     if me >= 0:
         start = ws.partition(n, core).starts  # block b is dst[start[b]:start[b + 1]]
@@ -43,13 +43,14 @@ def allreduce(t, src, dst, combine, ws):
             (keep_lo, keep_hi), (give_lo, give_hi) = (
                 ((mid, hi), (lo, mid)) if me & mask else ((lo, mid), (mid, hi))
             )
-            keep = dst[start[keep_lo]:start[keep_hi]]
-            incoming = tmp[:keep.size]
-            t.sendrecv(dst[start[give_lo]:start[give_hi]], peer, incoming, peer, Tag.RAB_HALVING)
+            keep = slice(start[keep_lo], start[keep_hi])
+            incoming = tmp[:keep.stop - keep.start]
+            t.sendrecv(cur[start[give_lo]:start[give_hi]], peer, incoming, peer, Tag.RAB_HALVING)
             if partner < me:
-                combine(incoming, keep, keep)
+                combine(incoming, cur[keep], dst[keep])
             else:
-                combine(keep, incoming, keep)
+                combine(cur[keep], incoming, dst[keep])
+            cur = dst  # only the kept half of dst is current now, and only it is read again
             lo, hi = keep_lo, keep_hi
             mask >>= 1
 

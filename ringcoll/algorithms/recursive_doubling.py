@@ -37,15 +37,21 @@ def real_rank(core_r, rem):
     return core_r * 2 + 1 if core_r < rem else core_r + rem
 
 
-def fold_in(t, buf, tmp, combine, rem):
-    """Even ranks below 2*rem hand their data to the odd rank above them."""
+def fold_in(t, src, dst, tmp, combine, rem):
+    """Even ranks below 2*rem hand their data to the odd rank above them.
+
+    Returns the buffer that now holds this rank's data: dst once something was reduced into
+    it, else still src (so an out-of-place call never copies src to dst first).
+    """
     r = t.rank
     if r < 2 * rem:
         if r % 2 == 0:
-            t.send(buf, r + 1, Tag.RD_FOLD)
+            t.send(src, r + 1, Tag.RD_FOLD)
         else:
             t.recv(tmp, r - 1, Tag.RD_FOLD)
-            combine(tmp, buf, buf)
+            combine(tmp, src, dst)
+            return dst
+    return src
 
 
 def fold_out(t, buf, rem):
@@ -60,24 +66,25 @@ def fold_out(t, buf, rem):
 
 def allreduce(t, src, dst, combine, ws):
     """dst = reduction of every rank's src. dst may be src (in place)."""
-    if dst is not src:
-        dst[...] = src
     p, n = t.size, dst.size
     if p == 1 or n == 0:
+        if dst is not src:
+            dst[...] = src
         return
     tmp = ws.scratch("rd.tmp", n, dst.dtype)
     core, rem = fold(p)
-    fold_in(t, dst, tmp, combine, rem)
+    cur = fold_in(t, src, dst, tmp, combine, rem)  # this rank's data: src until first reduce
     me = core_rank(t.rank, rem)
     if me >= 0:
         mask = 1
         while mask < core:
             partner = me ^ mask
             peer = real_rank(partner, rem)
-            t.sendrecv(dst, peer, tmp, peer, Tag.RD_EXCHANGE)
+            t.sendrecv(cur, peer, tmp, peer, Tag.RD_EXCHANGE)
             if partner < me:
-                combine(tmp, dst, dst)
+                combine(tmp, cur, dst)
             else:
-                combine(dst, tmp, dst)
+                combine(cur, tmp, dst)
+            cur = dst
             mask <<= 1
     fold_out(t, dst, rem)
