@@ -1,0 +1,53 @@
+"""mpiexec -n 4 python bench/allreduce.py -b 8 -e 64M -f 2
+
+All-reduce: every rank ends with the element-wise reduction (-o, default sum) of all buffers.
+
+  bytes   S = the buffer on each rank; count = S / sizeof(type)
+  busbw   algbw x 2(p-1)/p: what each rank must send (and receive) at the least, a ring's
+  run     comm.allreduce(x, op, algorithm=a, out=y); in-place: out=x
+  check   rank r contributes its own integer-valued data; every rank compares all S bytes
+          with the exact reduction
+  -a      auto, ring, recursive_doubling, rabenseifner, hierarchical, native
+          (default all but hierarchical, plus hierarchical when ranks span > 1 node)
+  extra   --gloo: torch.distributed all_reduce over Gloo too, if torch is installed;
+          --target-ratio R --target-min-bytes B: exit 3 if the best ringcoll algorithm is
+          slower than R x native at any size >= B
+"""
+
+from harness import Spec, main
+
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "rabenseifner", "hierarchical", "native")
+
+
+def defaults(comm):
+    algs = ["auto", "ring", "recursive_doubling", "rabenseifner", "native"]
+    if len(comm.nodes) > 1:
+        algs.insert(-1, "hierarchical")
+    return algs
+
+
+def make(c, inplace):
+    x = c.data(c.rank)
+    return x, (x if inplace else c.empty())
+
+
+def run(comm, x, y, algorithm, c):
+    comm.allreduce(x, op=c.op, algorithm=algorithm, out=y)
+
+
+SPEC = Spec(
+    name="allreduce",
+    busbw_factor=lambda p: 2 * (p - 1) / p,
+    algorithms=ALGORITHMS,
+    default_algorithms=defaults,
+    make=make,
+    run=run,
+    expect=lambda c: c.reduced(),
+    result=lambda x, y, c: y,
+    reduces=True,
+    picked=lambda comm, nbytes: comm.cost_model.choose_allreduce(nbytes, comm.size, comm.nodes),
+    gloo=True,
+)
+
+if __name__ == "__main__":
+    raise SystemExit(main(SPEC))
