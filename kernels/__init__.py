@@ -19,9 +19,6 @@ def reduce_into(ufunc, a, b, out, acc=None):
         ufunc(a, b, out=out, dtype=acc, casting="unsafe")
 
 
-def scale_into(buf, divisor, acc=None):
-    """buf /= divisor in place (the 'avg' finish), in `acc` precision when given."""
-    if buf.dtype.kind in "fc" or acc is not None:
-        np.divide(buf, divisor, out=buf, dtype=acc, casting="unsafe")
-    else:  # pragma: no cover - avg on integers is rejected before we get here
-        raise TypeError("avg needs a float or complex dtype")
+def scale_into(src, divisor, out, acc=None):
+    """out = src / divisor (the 'avg' step), in `acc` precision when given; out may be src."""
+    np.divide(src, divisor, out=out, dtype=acc, casting="unsafe")

@@ -45,7 +45,6 @@ class Communicator:
         local_size: group consecutive ranks into nodes of this many (the last may be smaller)
             instead of asking MPI which ranks share memory; RINGCOLL_LOCAL_SIZE does the same.
         algorithm: default all-reduce algorithm, "auto" unless RINGCOLL_ALGO says otherwise.
-        timeout: seconds a thread-transport wait may block (RINGCOLL_TIMEOUT).
         segment_bytes: pipeline segment size of the ring algorithms (RINGCOLL_SEGMENT_BYTES).
         debug: print each collective's algorithm choice on rank 0 (RINGCOLL_DEBUG).
         cost_model: the CostModel that `auto` uses.
@@ -58,10 +57,10 @@ class Communicator:
         comm.allreduce(x)   # every rank: [0+1+...+(p-1)] * 4
     """
 
-    def __init__(self, comm=None, *, local_size=None, algorithm=None, timeout=None,
-                 segment_bytes=None, debug=None, cost_model=None, transport=None):
+    def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
+                 debug=None, cost_model=None, transport=None):
         self.options = Options.from_env(algorithm=algorithm, local_size=local_size,
-                                        timeout=timeout, segment_bytes=segment_bytes, debug=debug)
+                                        segment_bytes=segment_bytes, debug=debug)
         if self.options.algorithm not in ALLREDUCE_NAMES:
             raise ValueError(f"unknown all-reduce algorithm {self.options.algorithm!r} "
                              f"(from algorithm= or RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
@@ -225,9 +224,11 @@ class Communicator:
     def iallreduce(self, x, op="sum", algorithm=None, out=None):
         """Non-blocking allreduce: returns a Request; req.wait() gives the result.
 
-        The collective runs on a background thread that owns ringcoll's MPI calls, so it
-        progresses while the caller computes. Do not touch x or out until wait() returns.
-        Collectives called after it (blocking or not) run after it, in call order.
+        The collective runs on the communicator's background thread, so it progresses while
+        the caller computes. Collectives called while it is pending (blocking or not) queue
+        behind it on that thread, so everything runs in call order; once nothing is pending,
+        blocking calls run on the caller's thread again. Do not touch x or out until wait()
+        returns.
         """
         ctx = where(self.rank, "iallreduce")
         return self._submit(self._prepare_allreduce(x, op, algorithm, out, ctx))
@@ -247,11 +248,13 @@ class Communicator:
             self._log("allreduce", name, dst.nbytes)
             if name == "native":
                 self._t.native_allreduce(src, dst, op.mpi_name)
-            elif name == "hierarchical":
-                inner = ALLREDUCE[self._pick_inner(dst.nbytes)]
-                hierarchical.allreduce(self._t, src, dst, combine, self._ws, self.nodes, inner)
             else:
-                ALLREDUCE[name](self._t, src, dst, combine, self._ws)
+                mine = op.start(src, dst, self.size)  # dst itself when avg prescales
+                if name == "hierarchical":
+                    inner = ALLREDUCE[self._pick_inner(dst.nbytes)]
+                    hierarchical.allreduce(self._t, mine, dst, combine, self._ws, self.nodes, inner)
+                else:
+                    ALLREDUCE[name](self._t, mine, dst, combine, self._ws)
             op.finish(dst, self.size)
             return out
 
@@ -270,8 +273,7 @@ class Communicator:
 
     def _pick_inner(self, nbytes):
         """The cross-node algorithm of hierarchical, for a shard of nbytes / local size."""
-        shard = nbytes // max(len(m) for m in self.nodes)
-        return self.cost_model.choose_allreduce(shard, len(self.nodes), [[0]] * len(self.nodes))
+        return self.cost_model.cross_node(nbytes, self.nodes)[0]
 
     # -- reduce-scatter ----------------------------------------------------------------------
     def reduce_scatter(self, x, op="sum", out=None, algorithm=None):
@@ -297,7 +299,7 @@ class Communicator:
         x = self._rows_input(x, ctx)
         op = get_op(op, ctx)
         check_op_dtype(op, x.dtype, ctx)
-        name = self._pick_simple(algorithm, ctx)
+        name = self._pick_simple(algorithm, "ring", ctx)
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
         base, extra = divmod(x.shape[0], self.size)
         rows = base + (1 if self.rank < extra else 0)
@@ -313,7 +315,8 @@ class Communicator:
                 self._t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
             else:
                 work = self._ws.scratch("rs.work", src.size, src.dtype)
-                ring.reduce_scatter(self._t, src, work, part, combine, self._ws)
+                mine = op.start(src, work, self.size)  # work itself when avg prescales
+                ring.reduce_scatter(self._t, mine, work, part, combine, self._ws)
                 dst[...] = work[part.slices[self.rank]]
             op.finish(dst, self.size)
             if copy_to is not None:
@@ -338,8 +341,10 @@ class Communicator:
         """
         ctx = where(self.rank, "allgather")
         x = self._rows_input(x, ctx)
-        name = self._pick_simple(algorithm, ctx)
-        rows = self._exchange_rows(x, ctx)
+        name = self._pick_simple(algorithm, "ring", ctx)
+        if name == "native":
+            native.check(self._t, None, ctx)
+        rows = self._exchange_rows(x, ctx, name)
         row = _row_elems(x)
         part = Partition([r * row for r in rows])
         out = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx, rows=True)
@@ -348,7 +353,6 @@ class Communicator:
         def run():
             self._log("allgather", name, dst.nbytes)
             if name == "native":
-                native.check(self._t, None, ctx)
                 self._t.native_allgather(src, dst, part.counts)
             else:
                 dst[part.slices[self.rank]] = src
@@ -359,15 +363,22 @@ class Communicator:
 
         return self._run(run)
 
-    def _exchange_rows(self, x, ctx):
-        """Every rank's row count, after checking that dtypes and trailing shapes agree."""
+    def _exchange_rows(self, x, ctx, name):
+        """Every rank's row count, after checking that dtypes and trailing shapes agree.
+
+        The 4 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
+        algorithm='native' (so the native baseline pays no ringcoll step).
+        """
         layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
         mine = np.array([x.shape[0], _row_elems(x), x.ndim, layout], dtype=np.int64)
         meta = np.empty((self.size, mine.size), dtype=np.int64)
         meta[self.rank] = mine
         flat = meta.reshape(-1)
-        self._run(lambda: ring.allgather(self._t, flat, self._ws.partition(flat.size, self.size),
-                                          self._ws))
+        part = self._ws.partition(flat.size, self.size)
+        if name == "native":
+            self._run(lambda: self._t.native_allgather(mine, flat, part.counts))
+        else:
+            self._run(lambda: ring.allgather(self._t, flat, part, self._ws))
         bad = [r for r in range(self.size) if tuple(meta[r, 1:]) != tuple(mine[1:])]
         if bad:
             raise CollectiveMismatchError(
@@ -390,7 +401,7 @@ class Communicator:
                             f"got {type(x).__name__}")
         check_dtype(x.dtype, ctx)
         self._check_root(root, ctx)
-        name = self._pick_simple(algorithm, ctx)
+        name = self._pick_simple(algorithm, "tree", ctx)
         buf = flat_view(x)
         if buf is None:
             raise ValueError(f"{ctx}x is not contiguous; broadcast into "
@@ -421,7 +432,7 @@ class Communicator:
         op = get_op(op, ctx)
         check_op_dtype(op, x.dtype, ctx)
         self._check_root(root, ctx)
-        name = self._pick_simple(algorithm, ctx)
+        name = self._pick_simple(algorithm, "tree", ctx)
         is_root = self.rank == root
         if is_root:
             out = self._output(out, x.shape, x.dtype, ctx, like=x if flat_view(x) is not None else None)
@@ -441,7 +452,8 @@ class Communicator:
                 self._t.native_reduce(src, dst, root, op.mpi_name)
             else:
                 acc = dst if is_root else self._ws.scratch("reduce.acc", src.size, src.dtype)
-                tree.reduce(self._t, src, acc, root, combine, self._ws)
+                mine = op.start(src, acc, self.size)  # acc itself when avg prescales
+                tree.reduce(self._t, mine, acc, root, combine, self._ws)
             if not is_root:
                 return None
             op.finish(dst, self.size)
@@ -465,7 +477,7 @@ class Communicator:
         if x.shape[0] % self.size:
             raise ValueError(f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the "
                              f"communicator size {self.size} (one equal block per rank)")
-        name = self._pick_simple(algorithm, ctx)
+        name = self._pick_simple(algorithm, "pairwise", ctx)
         out = self._output(out, x.shape, x.dtype, ctx, rows=True)
         src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
@@ -485,7 +497,7 @@ class Communicator:
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
-        name = self._pick_simple(algorithm, where(self.rank, "barrier"))
+        name = self._pick_simple(algorithm, "dissemination", where(self.rank, "barrier"))
 
         def run():
             if name == "native":
@@ -496,13 +508,13 @@ class Communicator:
 
         self._run(run)
 
-    def _pick_simple(self, algorithm, ctx):
-        """Collectives with one ringcoll algorithm: 'auto' (or None) means that one."""
-        if algorithm in (None, "auto", "ring", "tree", "pairwise", "dissemination"):
-            return "ringcoll"
+    def _pick_simple(self, algorithm, own, ctx):
+        """Collectives with one ringcoll algorithm, `own`: 'auto' (or None) means that one."""
+        if algorithm in (None, "auto", own):
+            return own
         if algorithm == "native":
             return "native"
-        raise ValueError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto' or 'native'")
+        raise ValueError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
 
     def _rows_input(self, x, ctx):
         x = self._input(x, ctx)
@@ -527,7 +539,7 @@ class Communicator:
             return None
         o = self.options
         return Communicator(transport=sub, local_size=o.local_size, algorithm=o.algorithm,
-                            timeout=o.timeout, segment_bytes=o.segment_bytes, debug=o.debug,
+                            segment_bytes=o.segment_bytes, debug=o.debug,
                             cost_model=self.cost_model)
 
     def wait_all(self):
@@ -567,8 +579,8 @@ def run_threads(size, fn, timeout=None, **options):
     """
     from .transport import threads
 
-    opts = Options.from_env(timeout=timeout)
-    wait = opts.timeout or threads.DEFAULT_TIMEOUT
+    seconds = Options.from_env(timeout=timeout).timeout
+    wait = threads.DEFAULT_TIMEOUT if seconds is None else (seconds or None)  # 0: no limit
 
     def body(t):
         comm = Communicator(transport=t, **options)

@@ -33,7 +33,14 @@ def _buffer(spec, name):
 
 
 def _flat(arr):
-    """A 1-D view of a contiguous buffer (mpi4py treats buffers as flat memory)."""
+    """A 1-D view of a contiguous buffer (mpi4py treats buffers as flat memory).
+
+    A non-contiguous array is refused, as mpi4py refuses it: a flat copy would take the
+    result and leave the caller's array unchanged.
+    """
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise BufferError("ringcoll.wrap: buffer is not contiguous; pass a contiguous array "
+                          "(np.ascontiguousarray(buf)) as mpi4py requires")
     return arr.reshape(-1, order="A")
 
 
@@ -55,7 +62,10 @@ class MPICompat:
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         p = self.ringcoll.size
         recv = _flat(_buffer(recvbuf, "recvbuf"))
-        send = _flat(_buffer(sendbuf, "sendbuf")) if sendbuf is not MPI.IN_PLACE else recv
+        if sendbuf is MPI.IN_PLACE:  # MPI: recvbuf holds all p blocks; the result is block 0
+            send, recv = recv.copy(), recv[:recv.size // p]
+        else:
+            send = _flat(_buffer(sendbuf, "sendbuf"))
         if send.size != p * recv.size:
             raise ValueError(f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} "
                              f"elements; it must have size * len(recvbuf) = {p * recv.size}")

@@ -4,7 +4,7 @@
 |-----------------------|--------------------------------------------------------------------|
 | RINGCOLL_ALGO         | force an all-reduce algorithm (ring, recursive_doubling, ...)      |
 | RINGCOLL_LOCAL_SIZE   | group consecutive ranks into nodes of this many (hierarchical)     |
-| RINGCOLL_TIMEOUT      | seconds a thread-transport wait may block before failing (0 = off) |
+| RINGCOLL_TIMEOUT      | seconds a thread-transport wait may block (default 60; 0 = no limit)|
 | RINGCOLL_SEGMENT_BYTES| pipeline segment size of the ring algorithms                       |
 | RINGCOLL_DEBUG        | 1 = print which algorithm each collective ran, on rank 0           |
 
@@ -63,4 +63,6 @@ def _float(env, name):
         seconds = float(value)
     except ValueError:
         raise ValueError(f"{name}={value!r} is not a number of seconds") from None
-    return seconds if seconds > 0 else None
+    if seconds < 0:
+        raise ValueError(f"{name}={value!r}: use a number of seconds >= 0 (0 = no limit)")
+    return seconds

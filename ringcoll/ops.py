@@ -1,7 +1,8 @@
 """Reduction operators: "sum"/"prod"/"max"/"min"/"avg" (or mpi4py's MPI.SUM...) -> kernels.
 
-A ReduceOp knows how to combine two buffers in place, `op(a, b, out)`, and whether it finishes
-with a division (avg). The kernels themselves live in ringcoll.kernels.
+A ReduceOp gives algorithms a combine(a, b, out) function (out = a op b, in place into views) and
+knows what 'avg' adds around the sum: a division by the process count, before the reduction
+for float16/bfloat16 (so it cannot overflow) and after it for the other float types. The kernels themselves live in ringcoll.kernels.
 """
 
 import numpy as np
@@ -32,10 +33,22 @@ class ReduceOp:
 
         return combine
 
+    def prescales(self, dtype, size):
+        """float16/bfloat16 'avg' divides each contribution by p *before* the sum (in float32),
+        as NCCL does, so the sum cannot overflow where the average itself would fit."""
+        return self.name == "avg" and size > 1 and np.dtype(dtype) in HALF_TYPES
+
+    def start(self, src, target, size):
+        """The buffer to reduce: src itself, or src / size written into target (prescaling)."""
+        if not self.prescales(src.dtype, size):
+            return src
+        kernels.scale_into(src, size, target, accumulate_dtype(src.dtype))
+        return target
+
     def finish(self, buf, size):
         """The step after the reduction: divide by the process count for 'avg'."""
-        if self.name == "avg" and size > 1 and buf.size:
-            kernels.scale_into(buf, size, accumulate_dtype(buf.dtype))
+        if self.name == "avg" and size > 1 and buf.size and not self.prescales(buf.dtype, size):
+            kernels.scale_into(buf, size, buf, accumulate_dtype(buf.dtype))
 
 
 _OPS = {name: ReduceOp(name) for name in ("sum", "prod", "max", "min", "avg")}

@@ -132,7 +132,7 @@ def test_allreduce_grid(cfg_index, p, seg):
             got, note = results[r][k]
             if note:
                 failures.append(f"{label} rank {r}: {note}")
-            bad = O.compare(got, expected, op, dtype)
+            bad = O.compare(got, expected, op, dtype, nranks=p)
             if bad:
                 failures.append(f"{label} rank {r}: {bad}")
         bad = O.identical([results[r][k][0] for r in range(p)])
@@ -332,7 +332,7 @@ def test_reduce_scatter(p):
         for r in range(p):
             got, returned_out, unchanged = results[r][k]
             label = f"p={p} shape={shape} {dtype} {op} out={give_out} rank {r}"
-            bad = O.compare(got, blocks[r], op, dtype)
+            bad = O.compare(got, blocks[r], op, dtype, nranks=p)
             if bad:
                 failures.append(f"{label}: {bad}")
             if not returned_out:
@@ -488,7 +488,7 @@ def test_reduce_every_root(p):
                 got, flag = results[r][k]
                 label = f"p={p} root={root} {shape} {dtype} {op} rank {r}"
                 if r == root:
-                    bad = "returned None" if got is None else O.compare(got, expected, op, dtype)
+                    bad = "returned None" if got is None else O.compare(got, expected, op, dtype, nranks=p)
                     if bad:
                         failures.append(f"{label}: {bad}")
                 elif got is not None:
@@ -612,7 +612,7 @@ def test_iallreduce_outstanding_then_blocking(p):
         for i, (algo, dt, op, n, _) in enumerate(specs):
             expected = O.reduce_oracle([O.make_input(400 + i, q, (n,), dt, op)
                                         for q in range(p)], op, dt)
-            assert O.compare(outs[i], expected, op, dt) is None, (r, algo)
+            assert O.compare(outs[i], expected, op, dt, nranks=p) is None, (r, algo)
         assert gathered.tolist() == [10 * q for q in range(p)]
         assert total.tolist() == [p]
         assert all(done) and all(same)
@@ -1150,3 +1150,48 @@ def test_fortran_ordered_out_gets_correct_values(collective):
         else:
             expected = np.concatenate([xs[i][2 * r:2 * r + 2] for i in range(p)])
         np.testing.assert_array_equal(res[r], expected, err_msg=f"rank {r}")
+
+
+# --- behaviours added after review ------------------------------------------------------------
+@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("dtype", O.HALF_DTYPES)
+def test_half_avg_does_not_overflow_where_the_average_fits(p, dtype):
+    # 40000 fits float16 (max 65504) but p * 40000 does not: a sum-then-divide would give inf
+    for algo in ["ring", "recursive_doubling", "rabenseifner", "hierarchical"]:
+        results = run(p, lambda c: c.allreduce(np.full(7, 40000, dtype), op="avg",
+                                               algorithm=algo), local_size=2)
+        for r, y in enumerate(results):
+            assert y.dtype == np.dtype(dtype)
+            assert np.all(np.abs(y.astype(np.float32) - 40000) <= 64), (algo, r, y)
+    blocks = run(p, lambda c: c.reduce_scatter(np.full(2 * p, 40000, dtype), op="avg"))
+    assert all(np.all(np.abs(b.astype(np.float32) - 40000) <= 64) for b in blocks), blocks
+    root = run(p, lambda c: c.reduce(np.full(3, 40000, dtype), op="avg", root=p - 1))[p - 1]
+    assert np.all(np.abs(root.astype(np.float32) - 40000) <= 64), root
+
+
+@pytest.mark.parametrize("call", ["reduce_scatter", "allgather", "broadcast", "reduce",
+                                  "alltoall"])
+def test_other_collectives_reject_algorithms_they_do_not_have(call):
+    def fn(c):
+        x = np.ones(4)
+        getattr(c, call)(x, algorithm="rabenseifner")
+
+    expect_error_on_every_rank(2, fn, ValueError, match="unknown algorithm")
+
+
+def test_timeout_zero_means_no_limit():
+    from ringcoll.config import Options
+
+    assert Options.from_env({"RINGCOLL_TIMEOUT": "0"}).timeout == 0
+    assert Options.from_env({"RINGCOLL_TIMEOUT": "2.5"}).timeout == 2.5
+    with pytest.raises(ValueError, match="RINGCOLL_TIMEOUT"):
+        Options.from_env({"RINGCOLL_TIMEOUT": "-1"})
+
+    def late_rank_0(c):  # rank 0 arrives 0.3 s after the others
+        if c.rank == 0:
+            time.sleep(0.3)
+        return c.allreduce(np.ones(2))
+
+    with pytest.raises(ringcoll.CollectiveTimeoutError):
+        ringcoll.run_threads(2, late_rank_0, timeout=0.1)
+    assert all(np.array_equal(y, [2, 2]) for y in ringcoll.run_threads(2, late_rank_0, timeout=0))

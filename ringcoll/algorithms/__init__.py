@@ -21,6 +21,8 @@ ALLREDUCE = {
     "rabenseifner": rabenseifner.allreduce,
     "hierarchical": hierarchical.allreduce,
 }
+#: the algorithms that do not look at the node structure
+FLAT = ("ring", "recursive_doubling", "rabenseifner")
 #: every name `algorithm=` accepts for allreduce
 ALLREDUCE_NAMES = ("auto", *ALLREDUCE, "native")
 
@@ -56,17 +58,22 @@ class CostModel:
         if name == "rabenseifner":
             return 2 * steps * a + 2 * (core - 1) / core * n * b + (core - 1) / core * n * g + fold
         if name == "hierarchical":
-            k, big = max(len(m) for m in nodes), len(nodes)
-            a, b = self.alpha, self.beta
+            k, a, b = max(len(m) for m in nodes), self.alpha, self.beta
             local = 2 * (k - 1) * a + 2 * (k - 1) / k * n * b + (k - 1) / k * n * g
-            shard = n / k
-            cross = 2 * (big - 1) * ag + 2 * (big - 1) / big * shard * bg + (big - 1) / big * shard * g
-            return local + cross
+            return local + self.cross_node(nbytes, nodes)[1]
         raise ValueError(f"no cost model for {name!r}")
+
+    def cross_node(self, nbytes, nodes):
+        """(algorithm, seconds) of hierarchical's step 2: the cheapest flat all-reduce of one
+        shard (nbytes / ranks per node) among one rank of each node."""
+        shard = nbytes // max(len(m) for m in nodes)
+        spread = [[i] for i in range(len(nodes))]
+        return min(((name, self.allreduce(name, shard, len(nodes), spread)) for name in FLAT),
+                   key=lambda pair: pair[1])
 
     def choose_allreduce(self, nbytes, p, nodes):
         """The algorithm with the smallest predicted time; hierarchical only across nodes."""
-        names = ["ring", "recursive_doubling", "rabenseifner"]
+        names = list(FLAT)
         if 1 < len(nodes) < p:
             names.append("hierarchical")
         return min(names, key=lambda name: self.allreduce(name, nbytes, p, nodes))

@@ -5,8 +5,9 @@ Intra-node links are fast and inter-node links are slow, so only 1/k of the buff
 node) should cross the network from each rank:
 
   1. inside each node, a ring reduce-scatter leaves local rank i with its shard of the node's sum;
-  2. the ranks holding the same shard on different nodes all-reduce it (the `inner` algorithm,
-     ring by default) - N nodes, n/k bytes each;
+  2. the ranks holding the same shard on different nodes all-reduce it with the `inner`
+     algorithm (ring by default; the Communicator passes the cost model's pick for n/k bytes
+     on N ranks) - N nodes, n/k bytes each;
   3. inside each node, a ring all-gather puts the shards back together.
 
 Uneven nodes (the last may be smaller): the buffer is cut into L blocks, L the largest node
@@ -14,9 +15,10 @@ size; in a node of k ranks local rank i owns the contiguous blocks [i*L//k, (i+1
 runs once per block b, in increasing b, among the owners of b on every node; every rank takes
 its blocks in the same global order, so the groups can never wait on each other in a cycle.
 
-Cost with N nodes of k ranks (intra-node a_l, b_l; inter-node a_g, b_g), ring inside:
+Cost with N nodes of k ranks (intra-node a_l, b_l; inter-node a_g, b_g):
     2(k-1) a_l + 2(k-1)/k n b_l + (k-1)/k n g          (steps 1 and 3)
-  + 2(N-1) a_g + 2(N-1)/N (n/k) b_g + (N-1)/N (n/k) g  (step 2, ring)
+  + 2(N-1) a_g + 2(N-1)/N (n/k) b_g + (N-1)/N (n/k) g  (step 2 with a ring inner; another
+                                                        inner: its own cost on n/k bytes)
 Every shard is finished by one cross-node all-reduce (itself bitwise identical) and copied, so
 all ranks end with bitwise identical results.
 """

@@ -12,8 +12,8 @@ run the power-of-two algorithm, and at the end each odd rank sends the result ba
 Both partners compute op(lower rank's data, higher rank's data) in that order, so their
 results are bitwise identical even for operations like max(-0.0, +0.0).
 
-Cost: ceil(log2 p) (a + n b + n g), plus 2 a + 2 n b + n g for the fold when p is not a
-power of two. Every rank sends the whole buffer log2(p) times: use it for small n only.
+Cost: log2(p') (a + n b + n g), plus 2 a + 2 n b + n g for the fold when p is not a power of
+two. Every rank sends the whole buffer log2(p') times: use it for small n only.
 """
 
 from ..transport import Tag

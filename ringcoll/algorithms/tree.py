@@ -36,20 +36,26 @@ def broadcast(t, buf, root, ws):
 
 
 def reduce(t, src, acc, root, combine, ws):
-    """acc = reduction of every rank's src, valid on root only (acc is scratch elsewhere)."""
-    if acc is not src:
-        acc[...] = src
+    """acc = reduction of every rank's src, valid on root only (acc is scratch elsewhere).
+
+    A leaf sends src itself; a rank with children reduces the first child's data and src
+    straight into acc, so src is never copied. acc may be src.
+    """
     p = t.size
     if p == 1 or acc.size == 0:
+        if acc is not src:
+            acc[...] = src
         return
     v = (t.rank - root) % p
-    tmp = ws.scratch("tree.tmp", acc.size, acc.dtype)
+    mine = src  # this subtree's partial result so far
     mask = 1
     while mask < p:
         if v & mask:
-            t.send(acc, (v - mask + root) % p, Tag.REDUCE)
+            t.send(mine, (v - mask + root) % p, Tag.REDUCE)
             return
         if v + mask < p:
+            tmp = ws.scratch("tree.tmp", acc.size, acc.dtype)
             t.recv(tmp, (v + mask + root) % p, Tag.REDUCE)
-            combine(acc, tmp, acc)
+            combine(mine, tmp, acc)
+            mine = acc
         mask <<= 1

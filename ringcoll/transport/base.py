@@ -31,6 +31,16 @@ class Tag(IntEnum):
     VIEW_STRIDE = 32
 
 
+def describe_tag(tag):
+    """A tag as an error message should show it: 'ring_allgather (sub-group 2)'."""
+    group, base = divmod(int(tag), Tag.VIEW_STRIDE)
+    try:
+        name = Tag(base).name.lower()
+    except ValueError:
+        name = f"tag {base}"
+    return f"{name} (sub-group {group})" if group else name
+
+
 class Transport:
     """Abstract point-to-point transport; see the module docstring for the contract."""
 

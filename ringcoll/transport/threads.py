@@ -15,7 +15,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
-from .base import Transport
+from .base import Transport, describe_tag
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -116,13 +116,14 @@ class ThreadTransport(Transport):
         if failure is not None:
             rank, exc = failure
             raise PeerFailedError(
-                f"ringcoll rank {self.rank}: gave up waiting for rank {req.src} (tag {req.tag}) "
-                f"because rank {rank} failed: {type(exc).__name__}: {exc}"
+                f"ringcoll rank {self.rank}: gave up waiting for rank {req.src} "
+                f"({describe_tag(req.tag)}) because rank {rank} failed: "
+                f"{type(exc).__name__}: {exc}"
             )
         raise CollectiveTimeoutError(
-            f"ringcoll rank {self.rank}: no message from rank {req.src} (tag {req.tag}) within "
-            f"{self.world.timeout} s; a rank skipped a collective or called a different one. "
-            "Raise RINGCOLL_TIMEOUT if the job is just slow."
+            f"ringcoll rank {self.rank}: no message from rank {req.src} "
+            f"({describe_tag(req.tag)}) within {self.world.timeout} s; a rank skipped a "
+            "collective or called a different one. Raise RINGCOLL_TIMEOUT if the job is just slow."
         )
 
     def split(self, color, key):
@@ -133,10 +134,15 @@ class ThreadTransport(Transport):
             table = world.splits.setdefault(seq, {})
             table[self.rank] = (color, key)
             world.cond.notify_all()
-            if not world.cond.wait_for(
-                lambda: len(table) == world.size or world.failure(), world.timeout
-            ) or len(table) < world.size:
-                self._raise_stuck(_Request(np.empty(0), "any", "split"), False)
+            world.cond.wait_for(lambda: len(table) == world.size or world.failure(),
+                                world.timeout)
+            if len(table) < world.size:
+                missing = sorted(set(range(world.size)) - set(table))
+                failure = world.failure()
+                cls = PeerFailedError if failure else CollectiveTimeoutError
+                raise cls(f"ringcoll rank {self.rank}, split: rank(s) {missing} did not call "
+                          f"split() within {world.timeout} s"
+                          + (f" (rank {failure[0]} failed: {failure[1]})" if failure else ""))
             if color is None:
                 return None
             members = sorted((r for r, (c, _) in table.items() if c == color),
@@ -155,7 +161,8 @@ def _deliver(req, data, src, dst, tag):
     dest = req.buf.view(np.uint8)
     if dest.nbytes != data.nbytes:
         req.error = CollectiveMismatchError(
-            f"ringcoll rank {dst}: received {data.nbytes} bytes from rank {src} (tag {tag}) "
+            f"ringcoll rank {dst}: received {data.nbytes} bytes from rank {src} "
+            f"({describe_tag(tag)}) "
             f"into a {dest.nbytes}-byte buffer; the ranks disagree on the element count, dtype "
             "or collective. Pass the same count and dtype on every rank."
         )
