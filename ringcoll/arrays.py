@@ -126,5 +126,12 @@ class Workspace:
             part = self._partitions[key] = Partition.rows(nrows, parts, row_elems)
         return part
 
+    def cached(self, key, build):
+        """A schedule cached under key: build() runs on the first call only."""
+        plan = self._partitions.get(key)
+        if plan is None:
+            plan = self._partitions[key] = build()
+        return plan
+
     def segment_elems(self, dtype):
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)

@@ -80,7 +80,7 @@ class Communicator:
         self.nodes = self._find_nodes()
         self._ws = Workspace(self.options.segment_bytes)
         self._combiners = {}  # (op, dtype) -> combine function
-        self._auto = {}  # nbytes -> the algorithm auto picked
+        self._auto = {}  # nbytes (or ("inner", nbytes)) -> the algorithm the cost model picked
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted
 
@@ -273,7 +273,11 @@ class Communicator:
 
     def _pick_inner(self, nbytes):
         """The cross-node algorithm of hierarchical, for a shard of nbytes / local size."""
-        return self.cost_model.cross_node(nbytes, self.nodes)[0]
+        key = ("inner", nbytes)
+        name = self._auto.get(key)
+        if name is None:
+            name = self._auto[key] = self.cost_model.cross_node(nbytes, self.nodes)[0]
+        return name
 
     # -- reduce-scatter ----------------------------------------------------------------------
     def reduce_scatter(self, x, op="sum", out=None, algorithm=None):

@@ -41,21 +41,31 @@ def owner(block, node_size, blocks):
     raise ValueError(f"block {block} is not among the {blocks} blocks")
 
 
+def plan(t, nodes, n, ws):
+    """This rank's schedule for n elements: its node's view, the node-local partition into
+    shards, and one (block slice, cross-node view) per block it owns. Cached per n."""
+
+    def build():
+        node = next(m for m in nodes if t.rank in m)
+        k, blocks = len(node), max(len(m) for m in nodes)
+        part = ws.partition(n, blocks)
+        shards = Partition([part.starts[last] - part.starts[first]  # local rank i's blocks
+                            for first, last in (owned_blocks(i, k, blocks) for i in range(k))])
+        local = t.view(node, tag_offset=1)
+        first, last = owned_blocks(local.rank, k, blocks)
+        cross = [(part.slices[b], t.view([m[owner(b, len(m), blocks)] for m in nodes],
+                                         tag_offset=2 + b))
+                 for b in range(first, last)]
+        return local, shards, cross
+
+    return ws.cached(("hierarchical", n), build)
+
+
 def allreduce(t, src, dst, combine, ws, nodes, inner=ring.allreduce):
     """dst = reduction of every rank's src; `nodes` lists each node's ranks (of t), in order."""
-    n = dst.size
-    node = next(m for m in nodes if t.rank in m)
-    k, blocks = len(node), max(len(m) for m in nodes)
-    local = t.view(node, tag_offset=1)
-    part = ws.partition(n, blocks)
-    shards = Partition([part.starts[last] - part.starts[first]  # local rank i's blocks
-                        for first, last in (owned_blocks(i, k, blocks) for i in range(k))])
-
-    ring.reduce_scatter(local, src, dst, shards, combine, ws)
-    first, last = owned_blocks(local.rank, k, blocks)
-    for b in range(first, last):
-        group = [m[owner(b, len(m), blocks)] for m in nodes]
-        cross = t.view(group, tag_offset=2 + b)
-        shard = dst[part.slices[b]]
-        inner(cross, shard, shard, combine, ws)
-    ring.allgather(local, dst, shards, ws)
+    local, shards, cross = plan(t, nodes, dst.size, ws)
+    ring.reduce_scatter(local, src, dst, shards, combine, ws)  # 1. my shard of the node's sum
+    for block, group in cross:  # 2. each block I own, with its owners on the other nodes
+        shard = dst[block]
+        inner(group, shard, shard, combine, ws)
+    ring.allgather(local, dst, shards, ws)  # 3. every shard back to every rank of the node
