@@ -14,7 +14,7 @@ Explicit constructor arguments always win over the environment.
 import os
 from dataclasses import dataclass, replace
 
-DEFAULT_SEGMENT_BYTES = 1 << 20
+DEFAULT_SEGMENT_BYTES = 4 << 20  # measured: smaller segments only add per-message cost on 2 cores
 
 
 @dataclass(frozen=True)
