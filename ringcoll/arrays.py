@@ -39,7 +39,9 @@ def array_module(x):
 
 def flat_view(x):
     """A 1-D view of a C- or F-contiguous array in memory order, or None if impossible."""
-    if x.ndim <= 1:
+    if x.ndim == 1:
+        return x if x.flags.c_contiguous else None  # already flat: no new view object
+    if x.ndim == 0:
         return x.reshape(-1) if x.flags.c_contiguous else None
     if x.flags.c_contiguous:
         return x.reshape(-1)

@@ -79,7 +79,7 @@ class Communicator:
         self.cost_model = cost_model or CostModel()
         self.nodes = self._find_nodes()
         self._ws = Workspace(self.options.segment_bytes)
-        self._combiners = {}  # (op, dtype) -> combine function
+        self._reductions = {}  # (dtype, op name) -> (ReduceOp, combine), arguments checked
         self._auto = {}  # nbytes (or ("inner", nbytes)) -> the algorithm the cost model picked
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted
@@ -139,14 +139,29 @@ class Communicator:
         check_dtype(x.dtype, ctx)
         return x
 
-    def _output(self, out, shape, dtype, ctx, like=None, rows=False):
-        """Validate a user's out= (or allocate one, laid out like `like`).
+    def _reduction(self, x, op, ctx):
+        """(x as an array, the ReduceOp, its combine function), checked once per dtype and op
+        name: on the hot path this is one dict lookup."""
+        x = np.asarray(x)
+        key = (x.dtype, op) if isinstance(op, str) else None  # MPI.Op objects are unhashable
+        found = self._reductions.get(key) if key is not None else None
+        if found is None:
+            check_dtype(x.dtype, ctx)
+            reduce_op = get_op(op, ctx)
+            check_op_dtype(reduce_op, x.dtype, ctx)
+            found = (reduce_op, reduce_op.bind(x.dtype))
+            if key is not None:
+                self._reductions[key] = found
+        return (x, *found)
+
+    def _output(self, out, shape, dtype, ctx, rows=False):
+        """Validate a user's out= (or allocate one of shape and dtype).
 
         rows=True: the collective writes axis-0 blocks through _rows_target, so any layout
         of out works; otherwise out must be contiguous (it is reduced into in memory order).
         """
         if out is None:
-            return np.empty_like(like) if like is not None else np.empty(shape, dtype)
+            return np.empty(shape, dtype)
         if not isinstance(out, np.ndarray):
             raise TypeError(f"{ctx}out must be a NumPy array, got {type(out).__name__}")
         if out.shape != tuple(shape) or out.dtype != dtype:
@@ -154,7 +169,7 @@ class Communicator:
                              f"shape {tuple(shape)} and dtype {np.dtype(dtype)}")
         if not out.flags.writeable:
             raise ValueError(f"{ctx}out is read-only; pass a writeable array")
-        if not rows and flat_view(out) is None:
+        if not (rows or out.flags.c_contiguous or out.flags.f_contiguous):
             raise ValueError(f"{ctx}out is not contiguous; pass a C- or F-contiguous array "
                              "(np.empty(shape, dtype)) and copy the result where you need it")
         return out
@@ -166,6 +181,20 @@ class Communicator:
             return out.reshape(-1), None
         staging = np.empty(out.shape, out.dtype)  # an F-ordered or strided out: one copy
         return staging.reshape(-1), out
+
+    def _elementwise(self, x, out, ctx):
+        """(out, src, dst) for an elementwise collective: out validated or allocated like x,
+        and flat views of x and out in the same element order; src is dst when out is x."""
+        if out is None:
+            src = flat_view(x)
+            if src is None:
+                x = np.ascontiguousarray(x)  # one copy, for a non-contiguous x
+                src = x.reshape(-1)
+            out = np.empty_like(x)  # laid out like x, so both flatten in the same order
+            return out, src, flat_view(out)
+        if out is not x:
+            self._output(out, x.shape, x.dtype, ctx)
+        return (out, *self._flat_pair(x, out, ctx))
 
     def _flat_pair(self, x, out, ctx):
         """Flat views (src, dst) in the same element order; src is dst when out is x."""
@@ -186,13 +215,6 @@ class Communicator:
         if not (x.flags.c_contiguous if order == "C" else x.flags.f_contiguous):
             x = np.asarray(x, order=order)  # one copy, for a non-contiguous or transposed x
         return flat_view(x), dst
-
-    def _combine(self, op, dtype):
-        key = (op.name, dtype)
-        combine = self._combiners.get(key)
-        if combine is None:
-            combine = self._combiners[key] = op.bind(dtype)
-        return combine
 
     # -- all-reduce --------------------------------------------------------------------------
     def allreduce(self, x, op="sum", algorithm=None, out=None):
@@ -234,15 +256,11 @@ class Communicator:
         return self._submit(self._prepare_allreduce(x, op, algorithm, out, ctx))
 
     def _prepare_allreduce(self, x, op, algorithm, out, ctx):
-        x = self._input(x, ctx)
-        op = get_op(op, ctx)
-        check_op_dtype(op, x.dtype, ctx)
-        out = self._output(out, x.shape, x.dtype, ctx, like=x if flat_view(x) is not None else None)
-        src, dst = self._flat_pair(x, out, ctx)
+        x, op, combine = self._reduction(x, op, ctx)
+        out, src, dst = self._elementwise(x, out, ctx)
         name = self._pick(algorithm, dst.nbytes, ctx)
         if name == "native":
             native.check(self._t, dst.dtype, ctx)
-        combine = self._combine(op, dst.dtype)
 
         def run():
             self._log("allreduce", name, dst.nbytes)
@@ -300,9 +318,8 @@ class Communicator:
             # 2 ranks, x = np.arange(4) + rank: rank 0 gets [1, 3], rank 1 gets [5, 7]
         """
         ctx = where(self.rank, "reduce_scatter")
+        x, op, combine = self._reduction(x, op, ctx)
         x = self._rows_input(x, ctx)
-        op = get_op(op, ctx)
-        check_op_dtype(op, x.dtype, ctx)
         name = self._pick_simple(algorithm, "ring", ctx)
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
         base, extra = divmod(x.shape[0], self.size)
@@ -311,7 +328,6 @@ class Communicator:
         src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         if name == "native":
             native.check(self._t, x.dtype, ctx)
-        combine = self._combine(op, x.dtype)
 
         def run():
             self._log("reduce_scatter", name, src.nbytes)
@@ -432,15 +448,12 @@ class Communicator:
             # 4 ranks, x = np.array([rank]): rank 0 gets [6], the others None
         """
         ctx = where(self.rank, "reduce")
-        x = self._input(x, ctx)
-        op = get_op(op, ctx)
-        check_op_dtype(op, x.dtype, ctx)
+        x, op, combine = self._reduction(x, op, ctx)
         self._check_root(root, ctx)
         name = self._pick_simple(algorithm, "tree", ctx)
         is_root = self.rank == root
         if is_root:
-            out = self._output(out, x.shape, x.dtype, ctx, like=x if flat_view(x) is not None else None)
-            src, dst = self._flat_pair(x, out, ctx)
+            out, src, dst = self._elementwise(x, out, ctx)
         else:
             src = flat_view(x)
             if src is None:
@@ -448,7 +461,6 @@ class Communicator:
             dst = None
         if name == "native":
             native.check(self._t, x.dtype, ctx)
-        combine = self._combine(op, x.dtype)
 
         def run():
             self._log("reduce", name, src.nbytes)
