@@ -95,7 +95,7 @@ def segments(count, seg_elems):
 
 
 class Workspace:
-    """Scratch buffers and block partitions cached per communicator.
+    """Scratch buffers, block partitions and schedules cached per communicator.
 
     After the first call of a given size nothing is allocated: scratch(name, count, dtype)
     hands out a view of a byte buffer that only ever grows.
@@ -104,7 +104,7 @@ class Workspace:
     def __init__(self, segment_bytes):
         self.segment_bytes = segment_bytes
         self._buffers = {}
-        self._partitions = {}
+        self._plans = {}  # partitions and algorithm schedules, by key
 
     def scratch(self, name, count, dtype):
         dtype = np.dtype(dtype)
@@ -114,26 +114,19 @@ class Workspace:
             buf = self._buffers[name] = np.empty(max(nbytes, 64), dtype=np.uint8)
         return buf[:nbytes].view(dtype)
 
+    def cached(self, key, build):
+        """A partition or schedule cached under key: build() runs on the first call only."""
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = build()
+        return plan
+
     def partition(self, n, parts):
-        key = ("even", n, parts)
-        part = self._partitions.get(key)
-        if part is None:
-            part = self._partitions[key] = Partition.even(n, parts)
-        return part
+        return self.cached(("even", n, parts), lambda: Partition.even(n, parts))
 
     def row_partition(self, nrows, parts, row_elems):
-        key = ("rows", nrows, parts, row_elems)
-        part = self._partitions.get(key)
-        if part is None:
-            part = self._partitions[key] = Partition.rows(nrows, parts, row_elems)
-        return part
-
-    def cached(self, key, build):
-        """A schedule cached under key: build() runs on the first call only."""
-        plan = self._partitions.get(key)
-        if plan is None:
-            plan = self._partitions[key] = build()
-        return plan
+        return self.cached(("rows", nrows, parts, row_elems),
+                           lambda: Partition.rows(nrows, parts, row_elems))
 
     def segment_elems(self, dtype):
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)

@@ -319,7 +319,7 @@ class Communicator:
         """
         ctx = where(self.rank, "reduce_scatter")
         x, op, combine = self._reduction(x, op, ctx)
-        x = self._rows_input(x, ctx)
+        x = _as_rows(x)
         name = self._pick_simple(algorithm, "ring", ctx)
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
         base, extra = divmod(x.shape[0], self.size)
@@ -533,10 +533,7 @@ class Communicator:
         raise ValueError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
 
     def _rows_input(self, x, ctx):
-        x = self._input(x, ctx)
-        if x.ndim == 0:
-            x = x.reshape(1)
-        return np.ascontiguousarray(x)  # axis-0 blocks must be contiguous rows
+        return _as_rows(self._input(x, ctx))
 
     def _check_root(self, root, ctx):
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -576,6 +573,11 @@ class Communicator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _as_rows(x):
+    """x as C-contiguous rows of axis 0 (a 0-d x becomes one row): blocks are whole rows."""
+    return np.ascontiguousarray(x.reshape(1) if x.ndim == 0 else x)
 
 
 def _row_elems(x):
