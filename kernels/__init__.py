@@ -3,8 +3,11 @@
 On the CPU every kernel is a NumPy ufunc applied in place into a view:
 `reduce_into(ufunc, a, b, out, acc)` computes out = a (op) b elementwise, where out may alias a
 or b, accumulating in `acc` (float32 for float16/bfloat16) without a temporary array.
+`bind_reduce` returns the same call with its arguments bound, for schedules replayed many times.
 The GPU kernels (CuPy) will live beside these.
 """
+
+from functools import partial
 
 import numpy as np
 
@@ -17,6 +20,14 @@ def reduce_into(ufunc, a, b, out, acc=None):
         ufunc(a, b, out=out)
     else:
         ufunc(a, b, out=out, dtype=acc, casting="unsafe")
+
+
+def bind_reduce(ufunc, a, b, out, acc=None):
+    """reduce_into(ufunc, a, b, out, acc) as a zero-argument callable: the ufunc itself with
+    its arguments bound, so a replay costs one C call and no Python frame."""
+    if acc is None:
+        return partial(ufunc, a, b, out=out)
+    return partial(ufunc, a, b, out=out, dtype=acc, casting="unsafe")
 
 
 def scale_into(src, divisor, out, acc=None):

@@ -26,12 +26,7 @@ class ReduceOp:
 
     def bind(self, dtype):
         """The combine function algorithms call: combine(a, b, out) sets out = a (op) b."""
-        ufunc, acc = self.ufunc, accumulate_dtype(dtype)
-
-        def combine(a, b, out):
-            kernels.reduce_into(ufunc, a, b, out, acc)
-
-        return combine
+        return Combine(self.ufunc, accumulate_dtype(dtype))
 
     def prescales(self, dtype, size):
         """float16/bfloat16 'avg' divides each contribution by p *before* the sum (in float32),
@@ -49,6 +44,25 @@ class ReduceOp:
         """The step after the reduction: divide by the process count for 'avg'."""
         if self.name == "avg" and size > 1 and buf.size and not self.prescales(buf.dtype, size):
             kernels.scale_into(buf, size, buf, accumulate_dtype(buf.dtype))
+
+
+class Combine:
+    """combine(a, b, out): out = a (op) b elementwise, out may alias a or b.
+
+    combine.bind(a, b, out) is the same reduction as a zero-argument callable, for algorithms
+    that build their schedule once and replay it (see recursive_doubling.schedule).
+    """
+
+    __slots__ = ("ufunc", "acc")
+
+    def __init__(self, ufunc, acc):
+        self.ufunc, self.acc = ufunc, acc
+
+    def __call__(self, a, b, out):
+        kernels.reduce_into(self.ufunc, a, b, out, self.acc)
+
+    def bind(self, a, b, out):
+        return kernels.bind_reduce(self.ufunc, a, b, out, self.acc)
 
 
 _OPS = {name: ReduceOp(name) for name in ("sum", "prod", "max", "min", "avg")}

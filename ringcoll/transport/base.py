@@ -11,6 +11,7 @@ shifts tags, so the same algorithm code runs unchanged on a sub-group.
 """
 
 from enum import IntEnum
+from functools import partial
 
 
 class Tag(IntEnum):
@@ -58,6 +59,17 @@ class Transport:
         rreq = self.irecv(recvbuf, source, tag)
         sreq = self.isend(sendbuf, dest, tag)
         self.waitall([rreq, sreq])
+
+    # bound forms: the same calls with their arguments fixed, as zero-argument callables, for
+    # schedules that are built once and replayed (a transport may make them cheaper to call).
+    def bind_send(self, buf, peer, tag):
+        return partial(self.send, buf, peer, tag)
+
+    def bind_recv(self, buf, peer, tag):
+        return partial(self.recv, buf, peer, tag)
+
+    def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        return partial(self.sendrecv, sendbuf, dest, recvbuf, source, tag)
 
     def isend(self, buf, peer, tag):
         raise NotImplementedError
@@ -112,6 +124,17 @@ class View(Transport):
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self.parent.sendrecv(
+            sendbuf, self.members[dest], recvbuf, self.members[source], tag + self.shift
+        )
+
+    def bind_send(self, buf, peer, tag):
+        return self.parent.bind_send(buf, self.members[peer], tag + self.shift)
+
+    def bind_recv(self, buf, peer, tag):
+        return self.parent.bind_recv(buf, self.members[peer], tag + self.shift)
+
+    def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        return self.parent.bind_sendrecv(
             sendbuf, self.members[dest], recvbuf, self.members[source], tag + self.shift
         )
 

@@ -6,6 +6,8 @@ ringcoll traffic has its own context and can never match a message of the user's
 This is the only module of ringcoll's lower layers that imports mpi4py.
 """
 
+from functools import partial
+
 from mpi4py import MPI
 
 from .base import Transport
@@ -33,6 +35,21 @@ class MPITransport(Transport):
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self.comm.Sendrecv([sendbuf, MPI.BYTE], dest, tag, [recvbuf, MPI.BYTE], source, tag)
+
+    # bound forms: mpi4py's methods themselves with the arguments fixed, so a replayed step
+    # is one C call (the [buf, MPI.BYTE] message is still parsed per call: it is cheap).
+    def bind_send(self, buf, peer, tag):
+        return partial(self.comm.Send, [buf, MPI.BYTE], peer, tag)
+
+    def bind_recv(self, buf, peer, tag):
+        return partial(self.comm.Recv, [buf, MPI.BYTE], peer, tag)
+
+    def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        return partial(self.comm.Sendrecv, [sendbuf, MPI.BYTE], dest, tag,
+                       [recvbuf, MPI.BYTE], source, tag)
+
+    def bind_native_allreduce(self, sendbuf, recvbuf, op_name):
+        return partial(self.comm.Allreduce, _in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
 
     def wait(self, req):
         req.Wait()
