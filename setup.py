@@ -12,6 +12,8 @@ setup(
     python_requires=">=3.10",
     packages=["ringcoll", "ringcoll.algorithms", "ringcoll.transport", "ringcoll.kernels"],
     package_dir={"ringcoll.kernels": "kernels"},
+    package_data={"ringcoll": ["tuning_default.json"]},  # auto's built-in tuning table
+    entry_points={"console_scripts": ["ringcoll = ringcoll.__main__:main"]},  # ringcoll tune
     install_requires=["numpy>=1.23", "mpi4py>=4"],
     extras_require={
         "mpich": ["mpich"],

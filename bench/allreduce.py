@@ -9,7 +9,10 @@ All-reduce: every rank ends with the element-wise reduction (-o, default sum) of
           with the exact reduction
   -a      auto, ring, recursive_doubling, rabenseifner, hierarchical, native
           (default all but hierarchical, plus hierarchical when ranks span > 1 node)
-  extra   --gloo: torch.distributed all_reduce over Gloo too, if torch is installed;
+  extra   --gloo: torch.distributed all_reduce over Gloo too (row 'gloo'), if torch is
+          installed (else a one-line note): in-place all_reduce(x) on a torch.from_numpy view;
+          out-of-place out.copy_(x) then all_reduce(out); one host only; no avg, no int16 or
+          unsigned > 8 bits (skipped with a note);
           --target-ratio R --target-min-bytes B: exit 3 if the best ringcoll algorithm is
           slower than R x native at any size >= B
 """
@@ -45,7 +48,7 @@ SPEC = Spec(
     expect=lambda c: c.reduced(),
     result=lambda x, y, c: y,
     reduces=True,
-    picked=lambda comm, nbytes: comm.cost_model.choose_allreduce(nbytes, comm.size, comm.nodes),
+    picked=lambda comm, nbytes, inplace=False: comm.auto_algorithm(nbytes, inplace),
     gloo=True,
 )
 

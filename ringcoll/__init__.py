@@ -11,6 +11,7 @@ from .algorithms import ALLREDUCE_NAMES, CostModel
 from .communicator import Communicator, Request, run_threads
 from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError,
                      RingcollError)
+from .tuning import Tuning, TuningFileError
 
 __version__ = "0.1.0"
 
@@ -31,6 +32,8 @@ __all__ = [
     "PeerFailedError",
     "Request",
     "RingcollError",
+    "Tuning",
+    "TuningFileError",
     "__version__",
     "run_threads",
     "wrap",

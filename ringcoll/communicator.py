@@ -8,17 +8,19 @@ algorithm and runs it. Algorithms never see any of this: they get a transport an
 import sys
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 
 from .algorithms import ALLREDUCE, ALLREDUCE_NAMES, CostModel
 from .algorithms import alltoall as alltoall_alg
 from .algorithms import barrier as barrier_alg
-from .algorithms import hierarchical, native, ring, tree
+from .algorithms import hierarchical, native, rabenseifner, recursive_doubling, ring, tree
 from .arrays import Partition, Workspace, check_dtype, flat_view
 from .config import Options
 from .errors import CollectiveMismatchError, RingcollError, where
 from .ops import check_op_dtype, get_op
+from .tuning import resolve as resolve_tuning
 
 
 class Request:
@@ -47,7 +49,11 @@ class Communicator:
         algorithm: default all-reduce algorithm, "auto" unless RINGCOLL_ALGO says otherwise.
         segment_bytes: pipeline segment size of the ring algorithms (RINGCOLL_SEGMENT_BYTES).
         debug: print each collective's algorithm choice on rank 0 (RINGCOLL_DEBUG).
-        cost_model: the CostModel that `auto` uses.
+        cost_model: the CostModel that `auto` uses where no tuning table covers this
+            communicator's size and node shape (default: the table file's fitted one).
+        tuning: the tuning table `auto` looks up first: a path to a file written by
+            `python -m ringcoll.tune`, a ringcoll.Tuning, or False for none
+            (RINGCOLL_TUNING; default: the table shipped with ringcoll, on MPI only).
         transport: run over this ringcoll Transport instead of MPI (tests, simulation).
 
     Example::
@@ -58,12 +64,17 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
-                 debug=None, cost_model=None, transport=None):
+                 debug=None, cost_model=None, tuning=None, transport=None):
         self.options = Options.from_env(algorithm=algorithm, local_size=local_size,
-                                        segment_bytes=segment_bytes, debug=debug)
+                                        segment_bytes=segment_bytes, debug=debug, tuning=tuning)
         if self.options.algorithm not in ALLREDUCE_NAMES:
             raise ValueError(f"unknown all-reduce algorithm {self.options.algorithm!r} "
                              f"(from algorithm= or RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
+        # The shipped table was measured over MPI (native_allreduce marks that transport);
+        # threads in one process time nothing like it, so they get it only when asked to.
+        # Read before MPI is touched: a bad file fails fast, with nothing to clean up.
+        self.tuning = resolve_tuning(self.options.tuning, builtin=transport is None
+                                     or hasattr(transport, "native_allreduce"))
         if transport is None:
             from .transport.mpi import MPITransport  # only the MPI path needs mpi4py
 
@@ -76,13 +87,15 @@ class Communicator:
             raise ValueError("pass either an MPI communicator or a transport, not both")
         self._t = transport
         self.rank, self.size = transport.rank, transport.size
-        self.cost_model = cost_model or CostModel()
         self.nodes = self._find_nodes()
+        fitted = self.tuning.cost_model(self.size) if self.tuning is not None else None
+        self.cost_model = cost_model or fitted or CostModel()
         self._ws = Workspace(self.options.segment_bytes)
         self._reductions = {}  # (dtype, op name) -> (ReduceOp, combine), arguments checked
-        self._auto = {}  # nbytes (or ("inner", nbytes)) -> the algorithm the cost model picked
+        self._auto = {}  # (nbytes, inplace) (or ("inner", nbytes)) -> the algorithm auto runs
         self._executor = None  # the thread that runs non-blocking collectives, once needed
-        self._tail = None  # the last non-blocking collective submitted
+        self._tail = None  # the last non-blocking collective submitted, while it may be pending
+        self._plan = None  # the last allreduce with out=, to replay if called again the same
 
     # -- topology ------------------------------------------------------------------------
     def _find_nodes(self):
@@ -112,9 +125,11 @@ class Communicator:
 
     # -- running a collective: inline, or behind outstanding non-blocking ones --------------
     def _run(self, fn):
-        if self._tail is not None and not self._tail.done():
-            self._tail = self._executor.submit(fn)  # keep call order: run after them
-            return self._tail.result()
+        if self._tail is not None:
+            if not self._tail.done():
+                self._tail = self._executor.submit(fn)  # keep call order: run after them
+                return self._tail.result()
+            self._tail = None  # nothing pending: the replay fast path may run again
         return fn()
 
     def _submit(self, fn):
@@ -239,9 +254,17 @@ class Communicator:
             # rank r passes np.array([r, 1]); on 3 ranks every rank gets [3, 3]
             y = comm.allreduce(np.array([comm.rank, 1]))
         """
+        plan = self._plan
+        if (plan is not None and plan.x is x and plan.out is out and plan.op is op
+                and plan.algorithm is algorithm and plan.dtype is x.dtype and self._tail is None):
+            for step in plan.steps:  # the same call as last time: replay its checked schedule
+                step()
+            return out
         ctx = where(self.rank, "allreduce")
-        run = self._prepare_allreduce(x, op, algorithm, out, ctx)
-        return self._run(run)
+        steps, result = self._prepare_allreduce(x, op, algorithm, out, ctx)
+        if out is not None and isinstance(x, np.ndarray):
+            self._plan = _Plan(x, out, op, algorithm, steps)
+        return self._run(partial(_run_steps, steps, result))
 
     def iallreduce(self, x, op="sum", algorithm=None, out=None):
         """Non-blocking allreduce: returns a Request; req.wait() gives the result.
@@ -253,40 +276,71 @@ class Communicator:
         returns.
         """
         ctx = where(self.rank, "iallreduce")
-        return self._submit(self._prepare_allreduce(x, op, algorithm, out, ctx))
+        return self._submit(partial(_run_steps, *self._prepare_allreduce(x, op, algorithm, out,
+                                                                           ctx)))
 
     def _prepare_allreduce(self, x, op, algorithm, out, ctx):
         x, op, combine = self._reduction(x, op, ctx)
         out, src, dst = self._elementwise(x, out, ctx)
-        name = self._pick(algorithm, dst.nbytes, ctx)
+        name = self._pick(algorithm, dst.nbytes, ctx, inplace=src is dst)
         if name == "native":
             native.check(self._t, dst.dtype, ctx)
+        return self._allreduce_steps(name, op, combine, src, dst), out
 
-        def run():
-            self._log("allreduce", name, dst.nbytes)
-            if name == "native":
-                self._t.native_allreduce(src, dst, op.mpi_name)
+    def _allreduce_steps(self, name, op, combine, src, dst):
+        """The checked call as a list of zero-argument steps: what allreduce runs, and what it
+        keeps to replay when called again with the same arrays (recursive doubling and
+        Rabenseifner are fully unrolled; the others are one step)."""
+        t, ws = self._t, self._ws
+        steps = [partial(self._log, "allreduce", name, dst.nbytes)] if self.options.debug else []
+        if name == "native":
+            bind = getattr(t, "bind_native_allreduce", None)
+            steps.append(bind(src, dst, op.mpi_name) if bind
+                         else partial(t.native_allreduce, src, dst, op.mpi_name))
+        else:
+            if op.prescales(dst.dtype, self.size):  # avg of float16/bfloat16: src / p into dst
+                steps.append(partial(op.start, src, dst, self.size))
+                src = dst
+            if name in _SCHEDULES:
+                steps += _SCHEDULES[name](t, src, dst, combine, ws)
+            elif name == "hierarchical":
+                inner = ALLREDUCE[self._pick_inner(dst.nbytes)]
+                steps.append(partial(hierarchical.allreduce, t, src, dst, combine, ws,
+                                     self.nodes, inner))
             else:
-                mine = op.start(src, dst, self.size)  # dst itself when avg prescales
-                if name == "hierarchical":
-                    inner = ALLREDUCE[self._pick_inner(dst.nbytes)]
-                    hierarchical.allreduce(self._t, mine, dst, combine, self._ws, self.nodes, inner)
-                else:
-                    ALLREDUCE[name](self._t, mine, dst, combine, self._ws)
-            op.finish(dst, self.size)
-            return out
+                steps.append(partial(ALLREDUCE[name], t, src, dst, combine, ws))
+        if op.name == "avg" and self.size > 1 and dst.size:
+            steps.append(partial(op.finish, dst, self.size))
+        return steps
 
-        return run
-
-    def _pick(self, algorithm, nbytes, ctx):
+    def _pick(self, algorithm, nbytes, ctx, inplace=False):
         name = algorithm or self.options.algorithm
         if name not in ALLREDUCE_NAMES:
             raise ValueError(f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
         if name == "auto":
-            name = self._auto.get(nbytes)
-            if name is None:
-                name = self._auto[nbytes] = self.cost_model.choose_allreduce(
-                    nbytes, self.size, self.nodes)
+            name = self._auto.get((nbytes, inplace)) or self.auto_algorithm(nbytes, inplace)
+        return name
+
+    def auto_algorithm(self, nbytes, inplace=False):
+        """The all-reduce algorithm `auto` runs on this communicator for a buffer of nbytes.
+
+        The tuning table's measured winner if it has a table for this size and node shape,
+        else the cost model's pick; in-place calls (out=x) have their own column, because
+        sending from a buffer that is written right after can be much slower (MPICH's
+        single-copy path). Cached per (nbytes, inplace).
+
+        Example::
+
+            comm.auto_algorithm(8)            # 'recursive_doubling' on most machines
+            comm.auto_algorithm(64 << 20, inplace=True)
+        """
+        key = (nbytes, inplace)
+        name = self._auto.get(key)
+        if name is None:
+            measured = (self.tuning.choose(nbytes, self.size, self.nodes, inplace)
+                        if self.tuning is not None else None)
+            name = self._auto[key] = measured or self.cost_model.choose_allreduce(
+                nbytes, self.size, self.nodes)
         return name
 
     def _pick_inner(self, nbytes):
@@ -553,7 +607,8 @@ class Communicator:
         o = self.options
         return Communicator(transport=sub, local_size=o.local_size, algorithm=o.algorithm,
                             segment_bytes=o.segment_bytes, debug=o.debug,
-                            cost_model=self.cost_model)
+                            cost_model=self.cost_model,
+                            tuning=self.tuning if self.tuning is not None else False)
 
     def wait_all(self):
         """Wait for every outstanding non-blocking collective."""
@@ -573,6 +628,28 @@ class Communicator:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _Plan:
+    """An allreduce call's arguments and its checked steps. It holds x and out, so their ids
+    cannot be reused while it lives: `plan.x is x` proves the very same arrays come back."""
+
+    __slots__ = ("x", "out", "op", "algorithm", "dtype", "steps")
+
+    def __init__(self, x, out, op, algorithm, steps):
+        self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
+        self.dtype, self.steps = x.dtype, steps
+
+
+def _run_steps(steps, result):
+    for step in steps:
+        step()
+    return result
+
+
+#: all-reduce algorithms built as a list of steps that a repeated call replays
+_SCHEDULES = {"recursive_doubling": recursive_doubling.schedule,
+              "rabenseifner": rabenseifner.schedule}
 
 
 def _as_rows(x):

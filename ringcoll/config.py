@@ -7,6 +7,8 @@
 | RINGCOLL_TIMEOUT      | seconds a thread-transport wait may block (default 60; 0 = no limit)|
 | RINGCOLL_SEGMENT_BYTES| pipeline segment size of the ring algorithms                       |
 | RINGCOLL_DEBUG        | 1 = print which algorithm each collective ran, on rank 0           |
+| RINGCOLL_TUNING       | tuning file auto looks up first (made by python -m ringcoll.tune); |
+|                       | "none": cost model only; unset: the built-in table (MPI only)      |
 
 Explicit constructor arguments always win over the environment.
 """
@@ -24,6 +26,7 @@ class Options:
     timeout: float | None = None
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     debug: bool = False
+    tuning: object = None  # a path, a ringcoll.Tuning, False/"none", or None: built-in
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -35,6 +38,7 @@ class Options:
             timeout=_float(env, "RINGCOLL_TIMEOUT"),
             segment_bytes=_int(env, "RINGCOLL_SEGMENT_BYTES") or DEFAULT_SEGMENT_BYTES,
             debug=env.get("RINGCOLL_DEBUG", "0") not in ("", "0", "false", "False"),
+            tuning=env.get("RINGCOLL_TUNING") or None,
         )
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)
