@@ -388,10 +388,13 @@ class Communicator:
             if name == "native":
                 self._t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
             else:
-                work = self._ws.scratch("rs.work", src.size, src.dtype)
+                # The last step reduces straight into dst; work carries the partial sums of
+                # the other blocks, of which there are none at p = 2 (unless avg prescales).
+                prescales = op.prescales(src.dtype, self.size)
+                work = self._ws.scratch("rs.work", src.size if self.size > 2 or prescales
+                                        else 0, src.dtype)
                 mine = op.start(src, work, self.size)  # work itself when avg prescales
-                ring.reduce_scatter(self._t, mine, work, part, combine, self._ws)
-                dst[...] = work[part.slices[self.rank]]
+                ring.reduce_scatter(self._t, mine, work, part, combine, self._ws, result=dst)
             op.finish(dst, self.size)
             if copy_to is not None:
                 copy_to[...] = dst.reshape(copy_to.shape)
