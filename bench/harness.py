@@ -27,7 +27,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -90,7 +89,7 @@ class Spec:
     blocked: bool = False  # the buffer is p equal blocks: count is rounded to a multiple of p
     reduces: bool = False  # takes -o
     rooted: bool = False  # takes -r
-    picked: Callable | None = None  # (comm, nbytes) -> the algorithm 'auto' runs
+    picked: Callable | None = None  # (comm, nbytes, inplace) -> the algorithm 'auto' runs
     gloo: bool = False  # offers --gloo (torch.distributed all_reduce, backend gloo)
     notes: list = field(default_factory=list)
 
@@ -359,12 +358,20 @@ def validate(args, spec, comm):
 
 # -- Gloo (optional) --------------------------------------------------------------------------
 class Gloo:
-    """torch.distributed all_reduce over the Gloo backend, on a tensor sharing the numpy buffer."""
+    """torch.distributed all_reduce over the Gloo backend, on tensors sharing the numpy buffers.
+
+    The group is built from the MPI world (same ranks, same size): rank 0 serves a TCPStore on
+    127.0.0.1 at a port the OS picks and broadcasts it over MPI, so concurrent runs on one
+    machine never collide on a port. What is timed, on torch.from_numpy views (zero-copy):
+    in-place, dist.all_reduce(x); out-of-place, out.copy_(inp) then dist.all_reduce(out), which
+    is how a torch user gets a separate result (torch has no out-of-place all_reduce).
+    """
 
     OPS = {"sum": "SUM", "prod": "PRODUCT", "max": "MAX", "min": "MIN"}
 
-    def __init__(self, dist, torch):
+    def __init__(self, dist, torch, store):
         self.dist, self.torch, self._views = dist, torch, {}
+        self._store = store  # rank 0 serves the rendezvous: keep it alive until close()
 
     @classmethod
     def start(cls, notes):
@@ -373,27 +380,41 @@ class Gloo:
             import torch
             import torch.distributed as dist
 
-            ok = dist.is_available()
-            why = "torch.distributed is not available in this torch build"
+            why = None if dist.is_available() and dist.is_gloo_available() else \
+                f"torch {torch.__version__} was built without torch.distributed's Gloo backend"
         except Exception as e:  # noqa: BLE001 - any import failure means: no Gloo comparison
             torch = dist = None
-            ok, why = False, f"torch is not importable ({type(e).__name__}: {e})"
-        if not all(WORLD.allgather(ok)):
-            notes.append(f"--gloo skipped: {why}")
+            why = f"torch is not importable ({type(e).__name__}: {e})"
+        whys = [w for w in WORLD.allgather(why) if w]
+        if whys:
+            notes.append(f"--gloo skipped: {whys[0]}")
             return None
         if len(set(WORLD.allgather(MPI.Get_processor_name()))) > 1:
-            notes.append("--gloo skipped: it rendezvouses at MASTER_ADDR=127.0.0.1, so it "
+            notes.append("--gloo skipped: its rendezvous store is on 127.0.0.1, so it "
                          "runs only when all ranks share one host")
             return None
-        port = None
-        if WORLD.Get_rank() == 0:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        port = WORLD.bcast(port, root=0)
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=WORLD.Get_rank(), world_size=WORLD.Get_size())
-        return cls(dist, torch)
+        # Port 0: the OS picks a free one while rank 0 binds it (no probe-then-bind race).
+        timeout, rank, size = datetime.timedelta(seconds=120), WORLD.Get_rank(), WORLD.Get_size()
+        store = port = why = None
+        try:
+            if rank == 0:
+                store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout,
+                                      wait_for_workers=False)
+                port = store.port
+        except Exception as e:  # noqa: BLE001 - e.g. no loopback TCP: no Gloo comparison
+            why = f"rank 0 could not open its rendezvous store ({type(e).__name__}: {e})"
+        port = WORLD.bcast(port, root=0)  # None: rank 0 failed, and says why below
+        try:
+            if rank != 0 and port is not None:
+                store = dist.TCPStore("127.0.0.1", port, size, is_master=False, timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            why = f"rank {rank} could not reach the rendezvous store ({type(e).__name__}: {e})"
+        whys = [w for w in WORLD.allgather(why) if w]
+        if whys:
+            notes.append(f"--gloo skipped: {whys[0]}")
+            return None
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
+        return cls(dist, torch, store)
 
     def supports(self, dtype, op, notes):
         """Try one tiny all_reduce; False (with a note) where torch or Gloo refuses the type."""
@@ -421,11 +442,17 @@ class Gloo:
             hit = self._views[id(x)] = (x, t)
         return hit[1]
 
-    def allreduce(self, x, op):
-        self.dist.all_reduce(self.tensor(x), op=getattr(self.dist.ReduceOp, self.OPS[op]))
+    def allreduce(self, x, op, inp=None):
+        """all_reduce x in place; out-of-place (inp given, not x): x.copy_(inp) first."""
+        t = self.tensor(x)
+        if inp is not None and inp is not x:
+            t.copy_(self.tensor(inp))
+        self.dist.all_reduce(t, op=getattr(self.dist.ReduceOp, self.OPS[op]))
 
     def close(self):
+        """Local (no MPI call), so it is safe on a subset of ranks."""
         self.dist.destroy_process_group()
+        self._store = None
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -448,7 +475,7 @@ class Run:
 def _call(spec, comm, gloo, run, bufs, case):
     inp, out = bufs
     if run.algorithm == "gloo":
-        gloo.allreduce(out, case.op)
+        gloo.allreduce(out, case.op, inp)
     else:
         spec.run(comm, inp, out, run.algorithm, case)
 
@@ -663,6 +690,7 @@ def environment(comm, args, gloo):
     }
     if gloo is not None:
         env["torch_version"] = gloo.torch.__version__
+        env["torch_num_threads"] = gloo.torch.get_num_threads()
     if BFLOAT16 is not None:
         env["ml_dtypes_version"] = __import__("ml_dtypes").__version__
     return env
@@ -760,14 +788,15 @@ def _main(spec, argv):
     if args.gloo:
         if op == "avg":
             notes.append("--gloo skipped: Gloo has no average reduction")
-        elif IN not in modes:
-            notes.append("--gloo skipped: torch's all_reduce works in place only; "
-                         "drop --outofplace")
         else:
             gloo = Gloo.start(notes)
             if gloo is not None and not gloo.supports(dtype, op, notes):
                 gloo.close()
                 gloo = None
+            elif gloo is not None:
+                notes.append(f"gloo = torch {gloo.torch.__version__} dist.all_reduce over Gloo on "
+                             "torch.from_numpy views: in place; out-of-place = out.copy_(inp) "
+                             f"+ all_reduce(out); torch threads {gloo.torch.get_num_threads()}")
     sizes = make_sizes(args, spec, p, dtype.itemsize)
     env = environment(comm, args, gloo)
 
@@ -803,9 +832,9 @@ def _main(spec, argv):
         runs = []
         for m in modes:
             for a in algs:
-                picked = spec.picked(comm, nbytes) if a == "auto" and spec.picked else None
+                picked = spec.picked(comm, nbytes, m == IN) if a == "auto" and spec.picked else None
                 runs.append(Run(a, m, f"auto->{picked}" if picked else a, picked))
-            if gloo is not None and m == IN:
+            if gloo is not None:
                 runs.append(Run("gloo", m, "gloo"))
         iters, warm = measure(spec, comm, gloo, case, runs, args)
         if rank == 0 and not args.quiet:
