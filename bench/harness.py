@@ -731,35 +731,42 @@ def write_csv(path, rows):
 
 
 def write_plot(path, spec, rows, env, dtype_name, op):
+    """Three log-scaled panels against size: busbw, latency (time per call) and the ratio to
+    native; one line per algorithm and mode (out-of-place solid, in-place dashed), native in
+    black so every other line reads against it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (bw, ratio) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (bw, lat, ratio) = plt.subplots(1, 3, figsize=(18, 5.5))
     series = {}
     for r in rows:
         series.setdefault((r["label"].split("->")[0], r["mode"]), []).append(r)
     for (alg, mode), rs in series.items():
-        style = "-" if mode == OUT else "--"
+        look = dict(linestyle="-" if mode == OUT else "--", marker="o", ms=3,
+                    label=f"{alg} ({mode})")
+        if alg == "native":
+            look.update(color="black", lw=2.2, zorder=5)
         sizes = [r["size"] for r in rs]
-        bw.plot(sizes, [r["busbw_GBps"] for r in rs], style, marker="o", ms=3,
-                label=f"{alg} ({mode})")
+        bw.plot(sizes, [r["busbw_GBps"] for r in rs], **look)
+        lat.plot(sizes, [r["time_us"] for r in rs], **look)
         if any(r["ratio_to_native"] for r in rs):
-            ratio.plot(sizes, [r["ratio_to_native"] or float("nan") for r in rs], style,
-                       marker="o", ms=3, label=f"{alg} ({mode})")
-    for ax, ylabel in ((bw, "busbw (GB/s)"), (ratio, "native time / time  (>1: faster than MPI)")):
+            ratio.plot(sizes, [r["ratio_to_native"] or float("nan") for r in rs], **look)
+    for ax, ylabel in ((bw, "busbw (GB/s)"), (lat, "time per call (us, max over ranks)"),
+                       (ratio, "native time / time  (>1: faster than MPI)")):
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xlabel("size (bytes)")
         ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.grid(True, which="both", alpha=0.3)
+    lat.legend(fontsize=7)
     ratio.axhline(1.0, color="black", lw=0.8)
     fig.suptitle(f"ringcoll {spec.name}, {env['processes']} ranks, {dtype_name}"
                  f"{'' if op is None else ', ' + op}  ({env['date']})", fontsize=10)
     fig.tight_layout()
     _parent(path)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
