@@ -219,11 +219,14 @@ def build_parser(spec):
                    help="multiply the size by this each step (default 2; 1 = use -i)")
     p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
                    help="add this many bytes each step when -f is 1 (default 1M)")
-    p.add_argument("-n", "--iters", type=int, default=20,
-                   help="timed iterations per size, at most (default 20; fewer at large sizes, "
+    # nccl-tests' default is 20; a call of a few microseconds on a shared machine needs more
+    # to average out one preemption (20 calls of 3 us: one 100 us hiccup doubles the mean).
+    # --budget cuts large sizes down to what fits, so more costs nothing there.
+    p.add_argument("-n", "--iters", type=int, default=100,
+                   help="timed iterations per size, at most (default 100; fewer at large sizes, "
                         "see --budget)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=5,
-                   help="warm-up iterations per size, at most (default 5)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=10,
+                   help="warm-up iterations per size, at most (default 10)")
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="check every result against the exact answer (default 1)")
     single_node = SimpleNamespace(nodes=[[0]], size=1, rank=0)
