@@ -7,8 +7,9 @@ All-reduce: every rank ends with the element-wise reduction (-o, default sum) of
   run     comm.allreduce(x, op, algorithm=a, out=y); in-place: out=x
   check   rank r contributes its own integer-valued data; every rank compares all S bytes
           with the exact reduction
-  -a      auto, ring, recursive_doubling, rabenseifner, hierarchical, native
-          (default all but hierarchical, plus hierarchical when ranks span > 1 node)
+  -a      auto, ring, recursive_doubling, rabenseifner, bruck, hierarchical, native
+          (default all but bruck and hierarchical, plus bruck when p is not a power of two
+          and hierarchical when ranks span > 1 node)
   extra   --gloo: torch.distributed all_reduce over Gloo too (row 'gloo'), if torch is
           installed (else a one-line note): in-place all_reduce(x) on a torch.from_numpy view;
           out-of-place out.copy_(x) then all_reduce(out); one host only; no avg, no int16 or
@@ -19,11 +20,14 @@ All-reduce: every rank ends with the element-wise reduction (-o, default sum) of
 
 from harness import Spec, main
 
-ALGORITHMS = ("auto", "ring", "recursive_doubling", "rabenseifner", "hierarchical", "native")
+ALGORITHMS = ("auto", "ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical",
+              "native")
 
 
 def defaults(comm):
     algs = ["auto", "ring", "recursive_doubling", "rabenseifner", "native"]
+    if comm.size & (comm.size - 1):  # Bruck only differs from recursive doubling off 2^k
+        algs.insert(-1, "bruck")
     if len(comm.nodes) > 1:
         algs.insert(-1, "hierarchical")
     return algs

@@ -15,7 +15,8 @@ import numpy as np
 from .algorithms import ALLREDUCE, ALLREDUCE_NAMES, CostModel
 from .algorithms import alltoall as alltoall_alg
 from .algorithms import barrier as barrier_alg
-from .algorithms import hierarchical, native, rabenseifner, recursive_doubling, ring, tree
+from .algorithms import (bruck, hierarchical, native, rabenseifner, recursive_doubling, ring,
+                         tree)
 from .arrays import Partition, Workspace, check_dtype, flat_view
 from .config import Options
 from .errors import CollectiveMismatchError, RingcollError, where
@@ -652,7 +653,7 @@ def _run_steps(steps, result):
 
 #: all-reduce algorithms built as a list of steps that a repeated call replays
 _SCHEDULES = {"recursive_doubling": recursive_doubling.schedule,
-              "rabenseifner": rabenseifner.schedule}
+              "rabenseifner": rabenseifner.schedule, "bruck": bruck.schedule}
 
 
 def _as_rows(x):

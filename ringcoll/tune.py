@@ -38,6 +38,7 @@ import contextlib
 import datetime
 import itertools
 import json
+import math
 import os
 import shlex
 import sys
@@ -50,14 +51,17 @@ from mpi4py import MPI
 
 import ringcoll
 
-from .algorithms import FLAT, CostModel
+from .algorithms import FLAT, CostModel, bruck
 from .tuning import FORMAT, MODES, VERSION, Tuning, TuningFileError, node_shape
 
 SLACK = 0.05  # a table's pick may be this much slower than the fastest, for fewer crossovers
 MAX_ITERS = 500  # calls per batch at most (small sizes: enough to average out the timer)
 QUICK = {"minbytes": 8, "maxbytes": 1 << 20, "stepfactor": 16, "rounds": 3, "budget": 0.1}
 SHORT = {"recursive_doubling": "rec_doubling", "rabenseifner": "rabenseifner", "ring": "ring",
-         "hierarchical": "hierarchical"}
+         "hierarchical": "hierarchical", "bruck": "bruck"}
+#: algorithms timed only up to a size (bytes per rank): beyond it they cannot win and their
+#: scratch grows with p x n; a size not timed counts as infinitely slow
+SIZE_LIMITS = {"bruck": bruck.MAX_BYTES}
 
 
 class UsageError(Exception):
@@ -147,9 +151,11 @@ def measure(comm, world, sizes, algorithms, rounds, budget, progress):
     medians = {mode: {name: [] for name in algorithms} for mode in MODES}
     start = time.perf_counter()
     for i, nbytes in enumerate(sizes):
-        times, iters = measure_size(comm, world, nbytes, runs, rounds, budget)
-        for (mode, name), t in zip(runs, times, strict=True):
-            medians[mode][name].append(t)
+        here = [(mode, name) for mode, name in runs if nbytes <= SIZE_LIMITS.get(name, nbytes)]
+        times, iters = measure_size(comm, world, nbytes, here, rounds, budget)
+        timed = dict(zip(here, times, strict=True))
+        for mode, name in runs:
+            medians[mode][name].append(timed.get((mode, name), math.inf))
         progress(f"[tune] {i + 1}/{len(sizes)} {nbytes} B: {len(runs)} runs x {rounds} rounds "
                  f"x {int(iters.min())}..{int(iters.max())} calls, "
                  f"{time.perf_counter() - start:.1f} s elapsed")
@@ -240,6 +246,8 @@ def fit(sizes, times, p):
     rows, measured = [], []
     for name in (n for n in FLAT if n in times):
         for nbytes, seconds in zip(sizes, times[name], strict=True):
+            if not math.isfinite(seconds):  # not timed at this size
+                continue
             rows.append([u.allreduce(name, nbytes, p) for u in units])
             measured.append(seconds)
     t = np.array(measured)
@@ -333,8 +341,9 @@ def make_entry(comm, sizes, medians, model, rms, args, argv, hosts):
     """This run's entry of the tuning file (the format: ringcoll.tuning's docstring)."""
     fallback = (slowdown(model, sizes, medians, comm.size, comm.nodes)
                 <= slowdown(CostModel(), sizes, medians, comm.size, comm.nodes))
-    us = {mode: {name: [round(s * 1e6, 3) for s in t] for name, t in medians[mode].items()}
-          for mode in MODES}
+    us = {mode: {name: [round(s * 1e6, 3) if math.isfinite(s) else None for s in t]
+                 for name, t in medians[mode].items()}
+          for mode in MODES}  # None: not timed at that size (SIZE_LIMITS)
     return {
         "p": comm.size,
         "nodes": node_shape(comm.nodes),

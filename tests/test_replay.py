@@ -9,7 +9,7 @@ import pytest
 import ringcoll
 
 TIMEOUT = 20
-ALGORITHMS = ["auto", "ring", "recursive_doubling", "rabenseifner", "hierarchical"]
+ALGORITHMS = ["auto", "ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical"]
 
 
 def run(p, fn, **options):

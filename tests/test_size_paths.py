@@ -17,7 +17,7 @@ import _oracle as O
 
 @pytest.mark.parametrize("threshold", [0, 1 << 30], ids=["above", "below"])
 @pytest.mark.parametrize("algorithm",
-                         ["ring", "recursive_doubling", "rabenseifner", "hierarchical"])
+                         ["ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical"])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6])
 def test_both_sides_of_the_size_thresholds(monkeypatch, threshold, algorithm, p):
     monkeypatch.setattr(recursive_doubling, "SMALL", threshold)

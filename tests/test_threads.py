@@ -21,10 +21,10 @@ import _oracle as O
 
 TIMEOUT = 20  # seconds a thread rank may wait for a message: a deadlock fails, fast
 
-ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "hierarchical", "auto")
+ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical", "auto")
 #: (algorithm, local_size): hierarchical on one node, and on nodes of 1, 2 and 3 ranks
 CONFIGS = [
-    ("ring", None), ("recursive_doubling", None), ("rabenseifner", None),
+    ("ring", None), ("recursive_doubling", None), ("rabenseifner", None), ("bruck", None),
     ("hierarchical", None), ("hierarchical", 1), ("hierarchical", 2), ("hierarchical", 3),
     ("auto", None), ("auto", 2),
 ]
@@ -591,6 +591,7 @@ def test_iallreduce_outstanding_then_blocking(p):
         ("ring", np.float64, "sum", 1001, False),
         ("recursive_doubling", np.int32, "max", 5, True),
         ("rabenseifner", np.float32, "prod", 64, False),
+        ("bruck", np.float64, "min", 7, True),
         ("hierarchical", np.int64, "sum", 3, True),
         ("auto", np.complex128, "sum", 0, False),
     ]
@@ -713,10 +714,13 @@ def test_local_size_from_environment(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # algorithm choice: the cost model and `auto`
 # ---------------------------------------------------------------------------------------------
-def test_cost_model_small_messages_pick_recursive_doubling():
+def test_cost_model_small_messages_pick_the_fewest_steps():
+    """8 B: recursive doubling (log2 p steps) at powers of two; elsewhere Bruck's ceil(log2 p)
+    steps beat recursive doubling's floor(log2 p) + 2 (the fold)."""
     model = CostModel()
     for p in range(2, 17):
-        assert model.choose_allreduce(8, p, [list(range(p))]) == "recursive_doubling", p
+        want = "recursive_doubling" if p & (p - 1) == 0 else "bruck"
+        assert model.choose_allreduce(8, p, [list(range(p))]) == want, p
 
 
 def test_cost_model_large_messages_pick_a_bandwidth_optimal_algorithm():
@@ -735,7 +739,7 @@ def test_cost_model_picks_the_cheapest_and_hierarchical_only_across_nodes():
     for model in (CostModel(), CostModel(inter_alpha=50e-6, inter_beta=10e-9)):
         for p, nodes in [(8, [[0, 1, 2, 3], [4, 5, 6, 7]]), (6, [[0, 1, 2], [3, 4, 5]])]:
             for n in (8, 4096, 1 << 20, 1 << 28):
-                names = ["ring", "recursive_doubling", "rabenseifner", "hierarchical"]
+                names = ["ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical"]
                 best = min(names, key=lambda a: model.allreduce(a, n, p, nodes))
                 assert model.choose_allreduce(n, p, nodes) == best
     # with intra-node costs everywhere, 2 nodes x 3 ranks: hierarchical's 3-rank rings win
@@ -776,11 +780,15 @@ def auto_choices(p, sizes, capsys, **options):
 
 def test_auto_dispatches_by_the_cost_model(capsys):
     sizes = [1, 1 << 17]  # 8 B and 1 MiB of float64
-    assert auto_choices(3, sizes, capsys) == ["recursive_doubling", "ring"]
+    # p = 3: Bruck's 2 steps beat recursive doubling's fold (3 messages) for 8 B
+    assert auto_choices(3, sizes, capsys) == ["bruck", "ring"]
     assert auto_choices(4, sizes, capsys) == ["recursive_doubling", "rabenseifner"]
-    # a cost model where only latency counts: recursive doubling at every size
+    # a cost model where only latency counts: the fewest steps at every size, Bruck only
+    # where it is a candidate at all (up to bruck.MAX_BYTES)
     latency_only = CostModel(alpha=1.0, beta=0.0, gamma=0.0)
-    assert auto_choices(3, sizes, capsys, cost_model=latency_only) == ["recursive_doubling"] * 2
+    assert auto_choices(3, sizes, capsys, cost_model=latency_only) == ["bruck",
+                                                                       "recursive_doubling"]
+    assert auto_choices(4, sizes, capsys, cost_model=latency_only) == ["recursive_doubling"] * 2
 
 
 def test_algorithm_from_environment_and_argument_wins(monkeypatch, capsys):
@@ -799,7 +807,7 @@ def test_algorithm_from_environment_and_argument_wins(monkeypatch, capsys):
 
 def test_registry_names():
     assert set(ringcoll.ALLREDUCE_NAMES) == {"auto", "ring", "recursive_doubling",
-                                             "rabenseifner", "hierarchical", "native"}
+                                             "rabenseifner", "bruck", "hierarchical", "native"}
     assert set(ALLREDUCE) == set(ringcoll.ALLREDUCE_NAMES) - {"auto", "native"}
 
 

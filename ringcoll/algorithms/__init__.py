@@ -13,16 +13,18 @@ overlaps the reduction. `CostModel(alpha=..., beta=..., gamma=...)` overrides th
 import math
 from dataclasses import dataclass
 
-from . import alltoall, barrier, hierarchical, native, rabenseifner, recursive_doubling, ring, tree
+from . import (alltoall, barrier, bruck, hierarchical, native, rabenseifner, recursive_doubling,
+               ring, tree)
 
 ALLREDUCE = {
     "ring": ring.allreduce,
     "recursive_doubling": recursive_doubling.allreduce,
     "rabenseifner": rabenseifner.allreduce,
     "hierarchical": hierarchical.allreduce,
+    "bruck": bruck.allreduce,
 }
 #: the algorithms that do not look at the node structure
-FLAT = ("ring", "recursive_doubling", "rabenseifner")
+FLAT = ("ring", "recursive_doubling", "rabenseifner", "bruck")
 #: every name `algorithm=` accepts for allreduce
 ALLREDUCE_NAMES = ("auto", *ALLREDUCE, "native")
 
@@ -55,6 +57,10 @@ class CostModel:
         steps = int(math.log2(core))
         if name == "recursive_doubling":
             return steps * (a + n * b + n * g) + fold
+        if name == "bruck":  # a candidate only for small messages (its p x n scratch)
+            if nbytes > bruck.MAX_BYTES:
+                return math.inf
+            return math.ceil(math.log2(p)) * a + (p - 1) * n * (b + g)
         if name == "rabenseifner":
             return 2 * steps * a + 2 * (core - 1) / core * n * b + (core - 1) / core * n * g + fold
         if name == "hierarchical":
@@ -79,5 +85,5 @@ class CostModel:
         return min(names, key=lambda name: self.allreduce(name, nbytes, p, nodes))
 
 
-__all__ = ["ALLREDUCE", "ALLREDUCE_NAMES", "CostModel", "alltoall", "barrier", "hierarchical",
-           "native", "rabenseifner", "recursive_doubling", "ring", "tree"]
+__all__ = ["ALLREDUCE", "ALLREDUCE_NAMES", "CostModel", "alltoall", "barrier", "bruck",
+           "hierarchical", "native", "rabenseifner", "recursive_doubling", "ring", "tree"]

@@ -29,6 +29,7 @@ class Tag(IntEnum):
     ALLTOALL = 10
     BARRIER = 11
     META = 12
+    BRUCK = 13
     VIEW_STRIDE = 32
 
 
