@@ -625,6 +625,7 @@ class Communicator:
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
+        self._plan = None  # its steps are bound to the communicator freed below
         self._t.close()
 
     def __enter__(self):
