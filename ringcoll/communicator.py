@@ -290,8 +290,8 @@ class Communicator:
 
     def _allreduce_steps(self, name, op, combine, src, dst):
         """The checked call as a list of zero-argument steps: what allreduce runs, and what it
-        keeps to replay when called again with the same arrays (recursive doubling and
-        Rabenseifner are fully unrolled; the others are one step)."""
+        keeps to replay when called again with the same arrays (recursive doubling,
+        Rabenseifner and Bruck are fully unrolled; the others are one step)."""
         t, ws = self._t, self._ws
         steps = [partial(self._log, "allreduce", name, dst.nbytes)] if self.options.debug else []
         if name == "native":
