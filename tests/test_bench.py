@@ -1,0 +1,42 @@
+"""The benchmark scripts under real mpiexec, on tiny sizes: they run, check every result, write
+their JSON, and their exit status says what happened. Timings are not judged here (that is
+bench/targets.py's job, on a quiet machine); only that the suite keeps working."""
+
+import json
+
+import pytest
+
+from test_mpi import launch, pytestmark  # noqa: F401 - the same mpiexec and skip rule
+
+COLLECTIVES = ["allreduce", "reduce_scatter", "allgather", "broadcast", "reduce", "alltoall"]
+
+
+@pytest.mark.parametrize("p", [1, 3])
+@pytest.mark.parametrize("collective", COLLECTIVES)
+def test_bench_script_runs_and_checks_every_result(collective, p, tmp_path):
+    out = tmp_path / "run.json"
+    rc, log, _ = launch(p, ["-b", "8", "-e", "4K", "-f", "16", "--budget", "0.05", "-q",
+                            "--json", str(out)], timeout=120, script=f"bench/{collective}.py")
+    assert rc == 0, log
+    data = json.loads(out.read_text())
+    assert data["exit_status"] == 0 and data["wrong_total"] == 0, log
+    assert data["environment"]["processes"] == p
+    sizes = {r["size"] for r in data["results"]}
+    algorithms = {r["algorithm"] for r in data["results"]}
+    assert len(sizes) >= 3 and "native" in algorithms and len(algorithms) >= 2, data["results"]
+    assert all(r["wrong"] == 0 for r in data["results"]), log
+    if collective == "allreduce":
+        assert data["auto"], "the auto vs best report is missing"
+
+
+def test_targets_script_runs_and_reports_every_selected_target(tmp_path):
+    out = tmp_path / "targets.json"
+    rc, log, _ = launch(2, ["--only", "T4,T7", "--repeat", "1", "--budget", "0.1",
+                            "--json", str(out)], timeout=120, script="bench/targets.py")
+    assert rc in (0, 3), log  # 3: a target missed (timing, not judged here); 1 or 2: broken
+    data = json.loads(out.read_text())
+    assert {line["target"] for line in data["lines"]} == {"T4", "T7"}, log
+    checks = data["wrong"]  # one record per ringcoll call checked against the oracle
+    assert checks and all(c["wrong"] == 0 for c in checks), log
+    assert data["exit_status"] == rc, log
+    assert all(line["verdict"] in ("PASS", "MISS", "info") for line in data["lines"]), log
