@@ -1,7 +1,9 @@
-"""The algorithm registry, and `auto`: pick the cheapest all-reduce by a cost model.
+"""The algorithm registry, and the cost model `auto` falls back on.
 
 Every all-reduce algorithm has the signature fn(t, src, dst, combine, ws) (hierarchical also
-takes `nodes`). The model is the alpha-beta-gamma one from each module's docstring:
+takes `nodes`). `auto` first looks the size up in a measured tuning table (ringcoll.tuning,
+made by `python -m ringcoll.tune`); where there is none it picks the cheapest algorithm by
+this model. The model is the alpha-beta-gamma one from each module's docstring:
 alpha = per-message latency (s), beta = s per byte moved, gamma = s per byte reduced.
 The defaults were fitted to all-reduce timings of ring, recursive doubling and Rabenseifner at
 p = 2, 3, 4 and 256 B .. 16 MiB on a 2-core machine with the embedded MPICH (shared memory):
