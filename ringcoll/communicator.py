@@ -295,9 +295,7 @@ class Communicator:
         t, ws = self._t, self._ws
         steps = [partial(self._log, "allreduce", name, dst.nbytes)] if self.options.debug else []
         if name == "native":
-            bind = getattr(t, "bind_native_allreduce", None)
-            steps.append(bind(src, dst, op.mpi_name) if bind
-                         else partial(t.native_allreduce, src, dst, op.mpi_name))
+            steps.append(native.bind_allreduce(t, src, dst, op.mpi_name))
         else:
             if op.prescales(dst.dtype, self.size):  # avg of float16/bfloat16: src / p into dst
                 steps.append(partial(op.start, src, dst, self.size))
@@ -319,7 +317,7 @@ class Communicator:
         if name not in ALLREDUCE_NAMES:
             raise ValueError(f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
         if name == "auto":
-            name = self._auto.get((nbytes, inplace)) or self.auto_algorithm(nbytes, inplace)
+            name = self.auto_algorithm(nbytes, inplace)
         return name
 
     def auto_algorithm(self, nbytes, inplace=False):

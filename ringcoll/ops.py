@@ -1,8 +1,9 @@
 """Reduction operators: "sum"/"prod"/"max"/"min"/"avg" (or mpi4py's MPI.SUM...) -> kernels.
 
-A ReduceOp gives algorithms a combine(a, b, out) function (out = a op b, in place into views) and
-knows what 'avg' adds around the sum: a division by the process count, before the reduction
-for float16/bfloat16 (so it cannot overflow) and after it for the other float types. The kernels themselves live in ringcoll.kernels.
+A ReduceOp gives algorithms a combine(a, b, out) function (out = a op b, in place into views)
+and knows what 'avg' adds around the sum: a division by the process count, before the
+reduction for float16/bfloat16 (so it cannot overflow) and after it for the other float types.
+The kernels themselves live in ringcoll.kernels.
 """
 
 import numpy as np

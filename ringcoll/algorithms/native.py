@@ -18,5 +18,6 @@ def check(t, dtype, where):
                         "(for example algorithm='ring'), which accumulates it in float32")
 
 
-def allreduce(t, src, dst, op_name):
-    t.native_allreduce(src, dst, op_name)
+def bind_allreduce(t, src, dst, op_name):
+    """MPI_Allreduce of src into dst (in place when src is dst) as a zero-argument step."""
+    return t.bind_native_allreduce(src, dst, op_name)

@@ -84,7 +84,7 @@ class MPITransport(Transport):
 
     # the MPI library's own collectives, for the 'native' algorithm -------------------------
     def native_allreduce(self, sendbuf, recvbuf, op_name):
-        self.comm.Allreduce(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
+        self.bind_native_allreduce(sendbuf, recvbuf, op_name)()
 
     def native_reduce_scatter(self, sendbuf, recvbuf, counts, op_name):
         self.comm.Reduce_scatter(sendbuf, recvbuf, counts, _OPS[op_name])

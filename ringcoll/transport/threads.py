@@ -147,7 +147,8 @@ class ThreadTransport(Transport):
                 return None
             members = sorted((r for r, (c, _) in table.items() if c == color),
                              key=lambda r: (table[r][1], r))
-            sub = world.splits.setdefault((seq, color), ThreadWorld(len(members), world.timeout, world))
+            sub = world.splits.setdefault((seq, color),
+                                          ThreadWorld(len(members), world.timeout, world))
         return ThreadTransport(sub, members.index(self.rank))
 
     def node_ids(self):
