@@ -6,6 +6,8 @@ without copying when it can, and says exactly what is wrong when it cannot.
 
 import numpy as np
 
+from .errors import InvalidTypeError
+
 try:  # bfloat16 is not a NumPy type; ml_dtypes provides it where installed.
     from ml_dtypes import bfloat16 as _bfloat16
 
@@ -25,7 +27,7 @@ def is_supported_dtype(dtype):
 
 def check_dtype(dtype, where):
     if not is_supported_dtype(dtype):
-        raise TypeError(
+        raise InvalidTypeError(
             f"{where}dtype {np.dtype(dtype)} is not supported; use a numeric dtype "
             "(int8..int64, uint8..uint64, float16/32/64, complex64/128, or bfloat16 "
             "from ml_dtypes)"

@@ -12,14 +12,16 @@ from functools import partial
 
 import numpy as np
 
+from . import checks
 from .algorithms import ALLREDUCE, ALLREDUCE_NAMES, CostModel
 from .algorithms import alltoall as alltoall_alg
 from .algorithms import barrier as barrier_alg
 from .algorithms import (bruck, hierarchical, native, rabenseifner, recursive_doubling, ring,
                          tree)
 from .arrays import Partition, Workspace, check_dtype, flat_view
-from .config import Options
-from .errors import CollectiveMismatchError, RingcollError, where
+from .config import MPI_TIMEOUT, Options
+from .errors import (CollectiveMismatchError, CommunicatorClosedError, InvalidArgumentError,
+                     InvalidTypeError, PeerFailedError, RingcollError, where)
 from .ops import check_op_dtype, get_op
 from .tuning import resolve as resolve_tuning
 
@@ -49,7 +51,13 @@ class Communicator:
             instead of asking MPI which ranks share memory; RINGCOLL_LOCAL_SIZE does the same.
         algorithm: default all-reduce algorithm, "auto" unless RINGCOLL_ALGO says otherwise.
         segment_bytes: pipeline segment size of the ring algorithms (RINGCOLL_SEGMENT_BYTES).
-        debug: print each collective's algorithm choice on rank 0 (RINGCOLL_DEBUG).
+        debug: before every collective, check that all ranks make the same call (same
+            collective, op, dtype, shape, root, algorithm, in place or not) and raise
+            CollectiveMismatchError on every rank naming who differs; rank 0 also prints
+            each collective's algorithm (RINGCOLL_DEBUG=1). Costs one small all-gather a call.
+        timeout: seconds one collective may make no progress before ringcoll aborts the job
+            with an error naming the collective and the rank it waits for (RINGCOLL_TIMEOUT;
+            default 600 over MPI; 0 = no limit).
         cost_model: the CostModel that `auto` uses where no tuning table covers this
             communicator's size and node shape (default: the table file's fitted one).
         tuning: the tuning table `auto` looks up first: a path to a file written by
@@ -65,12 +73,14 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
-                 debug=None, cost_model=None, tuning=None, transport=None):
+                 debug=None, timeout=None, cost_model=None, tuning=None, transport=None):
         self.options = Options.from_env(algorithm=algorithm, local_size=local_size,
-                                        segment_bytes=segment_bytes, debug=debug, tuning=tuning)
+                                        segment_bytes=segment_bytes, debug=debug, tuning=tuning,
+                                        timeout=timeout)
         if self.options.algorithm not in ALLREDUCE_NAMES:
-            raise ValueError(f"unknown all-reduce algorithm {self.options.algorithm!r} "
-                             f"(from algorithm= or RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
+            raise InvalidArgumentError(
+                f"unknown all-reduce algorithm {self.options.algorithm!r} (from algorithm= or "
+                f"RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
         # The shipped table was measured over MPI (native_allreduce marks that transport);
         # threads in one process time nothing like it, so they get it only when asked to.
         # Read before MPI is touched: a bad file fails fast, with nothing to clean up.
@@ -83,10 +93,13 @@ class Communicator:
                 from mpi4py import MPI
 
                 comm = MPI.COMM_WORLD
-            transport = MPITransport(comm)
+            seconds = self.options.timeout
+            transport = MPITransport(comm, timeout=MPI_TIMEOUT if seconds is None else seconds)
         elif comm is not None:
-            raise ValueError("pass either an MPI communicator or a transport, not both")
+            raise InvalidArgumentError("pass either an MPI communicator or a transport, not both")
         self._t = transport
+        self._progress = transport.progress  # the running collective, for errors and watchdog
+        self._closed = False
         self.rank, self.size = transport.rank, transport.size
         self.nodes = self._find_nodes()
         fitted = self.tuning.cost_model(self.size) if self.tuning is not None else None
@@ -125,13 +138,59 @@ class Communicator:
                 f"{len(self.nodes)} node(s), algorithm={self.options.algorithm!r}>")
 
     # -- running a collective: inline, or behind outstanding non-blocking ones --------------
-    def _run(self, fn):
+    def _run(self, fn, collective, algorithm, fields=None):
+        """Run fn() as one collective (see _execute), after any pending non-blocking ones."""
+        job = partial(self._execute, fn, collective, algorithm, fields)
         if self._tail is not None:
             if not self._tail.done():
-                self._tail = self._executor.submit(fn)  # keep call order: run after them
+                self._tail = self._executor.submit(job)  # keep call order: run after them
                 return self._tail.result()
             self._tail = None  # nothing pending: the replay fast path may run again
-        return fn()
+        return job()
+
+    def _execute(self, fn, collective, algorithm, fields):
+        """fn() between progress.begin and .end (the watchdog and error messages read them).
+
+        In debug mode all ranks first compare their calls (checks.exchange_fingerprints);
+        `fields` describes this rank's call. An error every rank raises alike (a failed
+        check) simply propagates. Any other error means this rank stopped part-way while its
+        peers may wait for it forever: the transport's fail() handles it (MPI: abort the job).
+        """
+        progress = self._progress
+        progress.begin(collective, algorithm)
+        try:
+            if self.options.debug:
+                self._agree(collective, algorithm, fields)
+            result = fn()
+        except BaseException as exc:
+            progress.end()
+            if not getattr(exc, "ringcoll_agreed", False):
+                self._t.fail(exc)
+            raise
+        progress.end()
+        return result
+
+    def _agree(self, collective, algorithm, fields):
+        record = checks.fingerprint(self._progress.seq, collective,
+                                    {"algorithm": algorithm, **(fields or {})})
+        checks.compare(self._t, checks.exchange_fingerprints(self._t, record, self._ws),
+                       ignore=("rows",))
+        if self.rank == 0 and algorithm is not None:
+            call = ", ".join(f"{k}={v}" for k, v in (fields or {}).items())
+            print(f"ringcoll: {collective} #{self._progress.seq} ({call}) on {self.size} ranks "
+                  f"-> {algorithm}", file=sys.stderr, flush=True)
+
+    def _invalid(self, exc, collective):
+        """This rank's arguments are invalid (exc is about to be raised). In debug mode the
+        other ranks are told first, so they raise PeerFailedError instead of waiting."""
+        if self.options.debug and not self._closed:
+            self._run(lambda: None, collective, None, {"error": f"{type(exc).__name__}: {exc}"})
+
+    def _check_open(self, collective):
+        if self._closed:
+            raise CommunicatorClosedError(
+                f"{where(self.rank, collective)}this Communicator was closed; create a new "
+                "one (ringcoll.Communicator(comm)) or call collectives before close()")
 
     def _submit(self, fn):
         if self._executor is None:
@@ -143,11 +202,6 @@ class Communicator:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-progress")
         self._tail = self._executor.submit(fn)
         return Request(self._tail)
-
-    def _log(self, collective, name, nbytes):
-        if self.options.debug and self.rank == 0:
-            print(f"ringcoll: {collective} {nbytes} B on {self.size} ranks -> {name}",
-                  file=sys.stderr, flush=True)
 
     # -- argument checks ---------------------------------------------------------------------
     def _input(self, x, ctx):
@@ -179,15 +233,17 @@ class Communicator:
         if out is None:
             return np.empty(shape, dtype)
         if not isinstance(out, np.ndarray):
-            raise TypeError(f"{ctx}out must be a NumPy array, got {type(out).__name__}")
+            raise InvalidTypeError(f"{ctx}out must be a NumPy array, got {type(out).__name__}")
         if out.shape != tuple(shape) or out.dtype != dtype:
-            raise ValueError(f"{ctx}out has shape {out.shape} and dtype {out.dtype}; it must be "
-                             f"shape {tuple(shape)} and dtype {np.dtype(dtype)}")
+            raise InvalidArgumentError(
+                f"{ctx}out has shape {out.shape} and dtype {out.dtype}; it must be shape "
+                f"{tuple(shape)} and dtype {np.dtype(dtype)}")
         if not out.flags.writeable:
-            raise ValueError(f"{ctx}out is read-only; pass a writeable array")
+            raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
         if not (rows or out.flags.c_contiguous or out.flags.f_contiguous):
-            raise ValueError(f"{ctx}out is not contiguous; pass a C- or F-contiguous array "
-                             "(np.empty(shape, dtype)) and copy the result where you need it")
+            raise InvalidArgumentError(
+                f"{ctx}out is not contiguous; pass a C- or F-contiguous array "
+                "(np.empty(shape, dtype)) and copy the result where you need it")
         return out
 
     @staticmethod
@@ -199,38 +255,36 @@ class Communicator:
         return staging.reshape(-1), out
 
     def _elementwise(self, x, out, ctx):
-        """(out, src, dst) for an elementwise collective: out validated or allocated like x,
-        and flat views of x and out in the same element order; src is dst when out is x."""
-        if out is None:
-            src = flat_view(x)
-            if src is None:
-                x = np.ascontiguousarray(x)  # one copy, for a non-contiguous x
-                src = x.reshape(-1)
-            out = np.empty_like(x)  # laid out like x, so both flatten in the same order
-            return out, src, flat_view(out)
-        if out is not x:
-            self._output(out, x.shape, x.dtype, ctx)
-        return (out, *self._flat_pair(x, out, ctx))
+        """(out, src, dst, copy_out) for an elementwise collective.
 
-    def _flat_pair(self, x, out, ctx):
-        """Flat views (src, dst) in the same element order; src is dst when out is x."""
+        src and dst are flat and in x's memory order (C, or F for an F-contiguous x; a strided
+        x is copied to C once): every rank sends and reduces in the order of its x, which is
+        why x must have the same layout on every rank, while out may have any contiguous
+        layout. dst is out itself when out is laid out like x (src is dst when out is x);
+        otherwise it is a staging buffer and copy_out() copies the result into out.
+        """
+        src = flat_view(x)
         if out is x:
-            if flat_view(x) is None:
-                raise ValueError(f"{ctx}in-place (out=x) needs a contiguous x; pass "
-                                 "np.ascontiguousarray(x) and use the returned array")
+            if src is None:
+                raise InvalidArgumentError(f"{ctx}in-place (out=x) needs a contiguous x; pass "
+                                           "np.ascontiguousarray(x) and use the returned array")
             if not x.flags.writeable:
-                raise ValueError(f"{ctx}x is read-only and cannot be reduced in place")
-            dst = flat_view(x)
-            return dst, dst
+                raise InvalidArgumentError(f"{ctx}x is read-only and cannot be reduced in place")
+            return out, src, src, None
+        if src is None:
+            x = np.ascontiguousarray(x)  # one copy, for a non-contiguous x
+            src = x.reshape(-1)
+        if out is None:
+            out = np.empty_like(x)  # laid out like x, so both flatten in the same order
+            return out, src, flat_view(out), None
+        self._output(out, x.shape, x.dtype, ctx)
         if np.may_share_memory(x, out) and np.shares_memory(x, out):
-            raise ValueError(f"{ctx}out overlaps x without being x; use out=x for in place "
-                             "or a separate buffer")
-        dst = flat_view(out)
-        # Reduce in memory order: x must be laid out like out (C or F), else copied to be.
-        order = "C" if out.flags.c_contiguous else "F"
-        if not (x.flags.c_contiguous if order == "C" else x.flags.f_contiguous):
-            x = np.asarray(x, order=order)  # one copy, for a non-contiguous or transposed x
-        return flat_view(x), dst
+            raise InvalidArgumentError(f"{ctx}out overlaps x without being x; use out=x for "
+                                       "in place or a separate buffer")
+        if out.flags.c_contiguous == x.flags.c_contiguous:
+            return out, src, flat_view(out), None
+        staging = np.empty(x.shape, x.dtype, order="C" if x.flags.c_contiguous else "F")
+        return out, src, flat_view(staging), partial(np.copyto, out, staging)
 
     # -- all-reduce --------------------------------------------------------------------------
     def allreduce(self, x, op="sum", algorithm=None, out=None):
@@ -258,14 +312,26 @@ class Communicator:
         plan = self._plan
         if (plan is not None and plan.x is x and plan.out is out and plan.op is op
                 and plan.algorithm is algorithm and plan.dtype is x.dtype and self._tail is None):
-            for step in plan.steps:  # the same call as last time: replay its checked schedule
-                step()
+            progress = self._progress  # the same call as last time: replay its checked steps
+            progress.begin("allreduce", plan.name)
+            try:
+                for step in plan.steps:
+                    step()
+            except BaseException as exc:
+                progress.end()
+                self._t.fail(exc)
+                raise
+            progress.end()
             return out
-        ctx = where(self.rank, "allreduce")
-        steps, result = self._prepare_allreduce(x, op, algorithm, out, ctx)
-        if out is not None and isinstance(x, np.ndarray):
-            self._plan = _Plan(x, out, op, algorithm, steps)
-        return self._run(partial(_run_steps, steps, result))
+        try:
+            steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
+                                                                  where(self.rank, "allreduce"))
+        except InvalidArgumentError as exc:
+            self._invalid(exc, "allreduce")
+            raise
+        if out is not None and isinstance(x, np.ndarray) and not self.options.debug:
+            self._plan = _Plan(x, out, op, algorithm, name, steps)
+        return self._run(partial(_run_steps, steps, result), "allreduce", name, fields)
 
     def iallreduce(self, x, op="sum", algorithm=None, out=None):
         """Non-blocking allreduce: returns a Request; req.wait() gives the result.
@@ -276,24 +342,49 @@ class Communicator:
         blocking calls run on the caller's thread again. Do not touch x or out until wait()
         returns.
         """
-        ctx = where(self.rank, "iallreduce")
-        return self._submit(partial(_run_steps, *self._prepare_allreduce(x, op, algorithm, out,
-                                                                           ctx)))
+        try:
+            steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
+                                                                  where(self.rank, "iallreduce"))
+        except InvalidArgumentError as exc:
+            self._invalid(exc, "allreduce")
+            raise
+        return self._submit(partial(self._execute, partial(_run_steps, steps, result),
+                                    "allreduce", name, fields))
 
     def _prepare_allreduce(self, x, op, algorithm, out, ctx):
+        """(steps, algorithm, debug fields, result) of a checked allreduce call."""
+        self._check_open("allreduce")
         x, op, combine = self._reduction(x, op, ctx)
-        out, src, dst = self._elementwise(x, out, ctx)
+        out, src, dst, copy_out = self._elementwise(x, out, ctx)
         name = self._pick(algorithm, dst.nbytes, ctx, inplace=src is dst)
         if name == "native":
             native.check(self._t, dst.dtype, ctx)
-        return self._allreduce_steps(name, op, combine, src, dst), out
+        fields = (self._fields(op, x, in_place=src is dst) if self.options.debug else None)
+        steps = self._allreduce_steps(name, op, combine, src, dst)
+        if copy_out is not None:
+            steps.append(copy_out)
+        return steps, name, fields, out
+
+    @staticmethod
+    def _fields(op=None, x=None, **more):
+        """This rank's call as debug mode's fingerprint records it."""
+        fields = {}
+        if op is not None:
+            fields["op"] = op.name
+        if x is not None:
+            fields["dtype"], fields["shape"] = x.dtype.name, list(x.shape)
+        fields.update(more)
+        return fields
 
     def _allreduce_steps(self, name, op, combine, src, dst):
         """The checked call as a list of zero-argument steps: what allreduce runs, and what it
         keeps to replay when called again with the same arrays (recursive doubling,
         Rabenseifner and Bruck are fully unrolled; the others are one step)."""
         t, ws = self._t, self._ws
-        steps = [partial(self._log, "allreduce", name, dst.nbytes)] if self.options.debug else []
+        steps = []
+        if name in ("ring", "hierarchical"):  # segments can hide a count mismatch: check it
+            steps.append(partial(checks.neighbour_check, t, "allreduce", dst.size, dst.dtype,
+                                 op.name))
         if name == "native":
             steps.append(native.bind_allreduce(t, src, dst, op.mpi_name))
         else:
@@ -315,7 +406,8 @@ class Communicator:
     def _pick(self, algorithm, nbytes, ctx, inplace=False):
         name = algorithm or self.options.algorithm
         if name not in ALLREDUCE_NAMES:
-            raise ValueError(f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
+            raise InvalidArgumentError(
+                f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
         if name == "auto":
             name = self.auto_algorithm(nbytes, inplace)
         return name
@@ -370,7 +462,20 @@ class Communicator:
 
             # 2 ranks, x = np.arange(4) + rank: rank 0 gets [1, 3], rank 1 gets [5, 7]
         """
-        ctx = where(self.rank, "reduce_scatter")
+        return self._collective("reduce_scatter", self._prepare_reduce_scatter, x, op, out,
+                                algorithm)
+
+    def _collective(self, collective, prepare, *args):
+        """Check the arguments (prepare returns run, algorithm, debug fields), then run."""
+        self._check_open(collective)
+        try:
+            run, name, fields = prepare(where(self.rank, collective), *args)
+        except InvalidArgumentError as exc:
+            self._invalid(exc, collective)
+            raise
+        return self._run(run, collective, name, fields)
+
+    def _prepare_reduce_scatter(self, ctx, x, op, out, algorithm):
         x, op, combine = self._reduction(x, op, ctx)
         x = _as_rows(x)
         name = self._pick_simple(algorithm, "ring", ctx)
@@ -383,10 +488,10 @@ class Communicator:
             native.check(self._t, x.dtype, ctx)
 
         def run():
-            self._log("reduce_scatter", name, src.nbytes)
             if name == "native":
                 self._t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
             else:
+                checks.neighbour_check(self._t, "reduce_scatter", src.size, src.dtype, op.name)
                 # The last step reduces straight into dst; work carries the partial sums of
                 # the other blocks, of which there are none at p = 2 (unless avg prescales).
                 prescales = op.prescales(src.dtype, self.size)
@@ -399,7 +504,7 @@ class Communicator:
                 copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
-        return self._run(run)
+        return run, name, self._fields(op, x) if self.options.debug else None
 
     # -- all-gather --------------------------------------------------------------------------
     def allgather(self, x, out=None, algorithm=None):
@@ -415,19 +520,23 @@ class Communicator:
 
             # 3 ranks, x = np.array([rank]): every rank gets [0, 1, 2]
         """
-        ctx = where(self.rank, "allgather")
+        return self._collective("allgather", self._prepare_allgather, x, out, algorithm)
+
+    def _prepare_allgather(self, ctx, x, out, algorithm):
         x = self._rows_input(x, ctx)
         name = self._pick_simple(algorithm, "ring", ctx)
         if name == "native":
             native.check(self._t, None, ctx)
-        rows = self._exchange_rows(x, ctx, name)
-        row = _row_elems(x)
-        part = Partition([r * row for r in rows])
-        out = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx, rows=True)
-        src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
+        if out is not None:  # all but its row count can be checked now; that comes later
+            rows = out.shape[0] if getattr(out, "ndim", 0) else -1
+            self._output(out, (rows,) + x.shape[1:], x.dtype, ctx, rows=True)
+        src = x.reshape(-1)
 
         def run():
-            self._log("allgather", name, dst.nbytes)
+            rows = self._exchange_rows(x, out, name)
+            part = Partition([r * _row_elems(x) for r in rows])
+            result = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx, rows=True)
+            dst, copy_to = self._rows_target(result)
             if name == "native":
                 self._t.native_allgather(src, dst, part.counts)
             else:
@@ -435,31 +544,46 @@ class Communicator:
                 ring.allgather(self._t, dst, part, self._ws)
             if copy_to is not None:
                 copy_to[...] = dst.reshape(copy_to.shape)
-            return out
+            return result
 
-        return self._run(run)
+        fields = (self._fields(dtype=x.dtype.name, row_shape=list(x.shape[1:]),
+                               rows=x.shape[0]) if self.options.debug else None)
+        return run, name, fields
 
-    def _exchange_rows(self, x, ctx, name):
-        """Every rank's row count, after checking that dtypes and trailing shapes agree.
+    def _exchange_rows(self, x, out, name):
+        """Every rank's row count, once all ranks know that dtypes, trailing shapes and the
+        row counts of the out= arrays agree (else every rank raises, so none is left waiting).
 
-        The 4 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
+        The 5 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
         algorithm='native' (so the native baseline pays no ringcoll step).
         """
         layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
-        mine = np.array([x.shape[0], _row_elems(x), x.ndim, layout], dtype=np.int64)
+        out_rows = -1 if out is None else out.shape[0]
+        mine = np.array([x.shape[0], _row_elems(x), x.ndim, layout, out_rows], dtype=np.int64)
         meta = np.empty((self.size, mine.size), dtype=np.int64)
         meta[self.rank] = mine
         flat = meta.reshape(-1)
         part = self._ws.partition(flat.size, self.size)
         if name == "native":
-            self._run(lambda: self._t.native_allgather(mine, flat, part.counts))
+            self._t.native_allgather(mine, flat, part.counts)
         else:
-            self._run(lambda: ring.allgather(self._t, flat, part, self._ws))
-        bad = [r for r in range(self.size) if tuple(meta[r, 1:]) != tuple(mine[1:])]
+            ring.allgather(self._t, flat, part, self._ws)
+        ctx = f"ringcoll rank {self.rank}, {self._progress.call()}: "
+        bad = [r for r in range(self.size) if tuple(meta[r, 1:4]) != tuple(mine[1:4])]
         if bad:
-            raise CollectiveMismatchError(
+            raise checks.agreed(CollectiveMismatchError(
                 f"{ctx}rank(s) {bad} passed a different dtype or trailing shape than this rank "
-                f"({x.dtype}, {x.shape[1:]}); only axis 0 may differ between ranks")
+                f"({x.dtype}, {x.shape[1:]}); only axis 0 may differ between ranks"))
+        total = int(meta[:, 0].sum())
+        wrong = [r for r in range(self.size) if meta[r, 4] not in (-1, total)]
+        if self.rank in wrong:
+            raise checks.agreed(InvalidArgumentError(
+                f"{ctx}out has shape {out.shape}, but the ranks pass {total} rows in all; pass "
+                f"out of shape {(total,) + x.shape[1:]} or out=None"))
+        if wrong:
+            raise checks.agreed(PeerFailedError(
+                f"{ctx}rank(s) {wrong} passed out= with the wrong row count (the result has "
+                f"{total} rows), so no rank runs this allgather"))
         return [int(v) for v in meta[:, 0]]
 
     # -- broadcast, reduce, all-to-all, barrier ---------------------------------------------
@@ -471,30 +595,32 @@ class Communicator:
             x = np.arange(3) if comm.rank == 0 else np.empty(3, dtype=int)
             comm.broadcast(x, root=0)   # every rank: [0, 1, 2]
         """
-        ctx = where(self.rank, "broadcast")
+        return self._collective("broadcast", self._prepare_broadcast, x, root, algorithm)
+
+    def _prepare_broadcast(self, ctx, x, root, algorithm):
         if not isinstance(x, np.ndarray):
-            raise TypeError(f"{ctx}broadcast works in place and needs a NumPy array, "
-                            f"got {type(x).__name__}")
+            raise InvalidTypeError(f"{ctx}broadcast works in place and needs a NumPy array, "
+                                   f"got {type(x).__name__}")
         check_dtype(x.dtype, ctx)
         self._check_root(root, ctx)
         name = self._pick_simple(algorithm, "tree", ctx)
         buf = flat_view(x)
         if buf is None:
-            raise ValueError(f"{ctx}x is not contiguous; broadcast into "
-                             "np.ascontiguousarray(x) and copy back")
+            raise InvalidArgumentError(f"{ctx}x is not contiguous; broadcast into "
+                                       "np.ascontiguousarray(x) and copy back")
         if self.rank != root and not x.flags.writeable:
-            raise ValueError(f"{ctx}x is read-only; broadcast needs to write into it")
+            raise InvalidArgumentError(f"{ctx}x is read-only; broadcast needs to write into it")
+        if name == "native":
+            native.check(self._t, None, ctx)
 
         def run():
-            self._log("broadcast", name, buf.nbytes)
             if name == "native":
-                native.check(self._t, None, ctx)
                 self._t.native_bcast(buf, root)
             else:
                 tree.broadcast(self._t, buf, root, self._ws)
             return x
 
-        return self._run(run)
+        return run, name, self._fields(x=x, root=int(root)) if self.options.debug else None
 
     def reduce(self, x, op="sum", root=0, out=None, algorithm=None):
         """Reduce x over all ranks onto root: returns the result on root, None elsewhere.
@@ -503,13 +629,16 @@ class Communicator:
 
             # 4 ranks, x = np.array([rank]): rank 0 gets [6], the others None
         """
-        ctx = where(self.rank, "reduce")
+        return self._collective("reduce", self._prepare_reduce, x, op, root, out, algorithm)
+
+    def _prepare_reduce(self, ctx, x, op, root, out, algorithm):
         x, op, combine = self._reduction(x, op, ctx)
         self._check_root(root, ctx)
         name = self._pick_simple(algorithm, "tree", ctx)
         is_root = self.rank == root
+        copy_out = None
         if is_root:
-            out, src, dst = self._elementwise(x, out, ctx)
+            out, src, dst, copy_out = self._elementwise(x, out, ctx)
         else:
             src = flat_view(x)
             if src is None:
@@ -519,7 +648,6 @@ class Communicator:
             native.check(self._t, x.dtype, ctx)
 
         def run():
-            self._log("reduce", name, src.nbytes)
             if name == "native":
                 self._t.native_reduce(src, dst, root, op.mpi_name)
             else:
@@ -529,9 +657,11 @@ class Communicator:
             if not is_root:
                 return None
             op.finish(dst, self.size)
+            if copy_out is not None:
+                copy_out()
             return out
 
-        return self._run(run)
+        return run, name, self._fields(op, x, root=int(root)) if self.options.debug else None
 
     def alltoall(self, x, out=None, algorithm=None):
         """Send block j of x (axis 0 split into size equal blocks) to rank j.
@@ -544,20 +674,23 @@ class Communicator:
             # 2 ranks, x = np.array([10 * rank, 10 * rank + 1])
             # rank 0 gets [0, 10], rank 1 gets [1, 11]
         """
-        ctx = where(self.rank, "alltoall")
+        return self._collective("alltoall", self._prepare_alltoall, x, out, algorithm)
+
+    def _prepare_alltoall(self, ctx, x, out, algorithm):
         x = self._rows_input(x, ctx)
         if x.shape[0] % self.size:
-            raise ValueError(f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the "
-                             f"communicator size {self.size} (one equal block per rank)")
+            raise InvalidArgumentError(
+                f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the communicator size "
+                f"{self.size} (one equal block per rank)")
         name = self._pick_simple(algorithm, "pairwise", ctx)
         out = self._output(out, x.shape, x.dtype, ctx, rows=True)
         src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
+        if name == "native":
+            native.check(self._t, None, ctx)
 
         def run():
-            self._log("alltoall", name, src.nbytes)
             if name == "native":
-                native.check(self._t, None, ctx)
                 self._t.native_alltoall(src, dst)
             else:
                 alltoall_alg.alltoall(self._t, src, dst, part)
@@ -565,20 +698,24 @@ class Communicator:
                 copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
-        return self._run(run)
+        return run, name, self._fields(x=x) if self.options.debug else None
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
-        name = self._pick_simple(algorithm, "dissemination", where(self.rank, "barrier"))
+        self._collective("barrier", self._prepare_barrier, algorithm)
+
+    def _prepare_barrier(self, ctx, algorithm):
+        name = self._pick_simple(algorithm, "dissemination", ctx)
+        if name == "native":
+            native.check(self._t, None, ctx)
 
         def run():
             if name == "native":
-                native.check(self._t, None, where(self.rank, "barrier"))
                 self._t.native_barrier()
             else:
                 barrier_alg.barrier(self._t, self._ws)
 
-        self._run(run)
+        return run, name, {} if self.options.debug else None
 
     def _pick_simple(self, algorithm, own, ctx):
         """Collectives with one ringcoll algorithm, `own`: 'auto' (or None) means that one."""
@@ -586,15 +723,16 @@ class Communicator:
             return own
         if algorithm == "native":
             return "native"
-        raise ValueError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
+        raise InvalidArgumentError(
+            f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
 
     def _rows_input(self, x, ctx):
         return _as_rows(self._input(x, ctx))
 
     def _check_root(self, root, ctx):
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
-            raise ValueError(f"{ctx}root={root!r} is not a rank of this communicator "
-                             f"(0..{self.size - 1})")
+            raise InvalidArgumentError(f"{ctx}root={root!r} is not a rank of this communicator "
+                                       f"(0..{self.size - 1})")
 
     # -- groups and lifetime -------------------------------------------------------------------
     def split(self, color, key=0):
@@ -602,13 +740,14 @@ class Communicator:
 
         Collective over this communicator. color=None: this rank joins no group, gets None.
         """
+        self._check_open("split")
         self.wait_all()
-        sub = self._t.split(color, key)
+        sub = self._run(partial(self._t.split, color, key), "split", None)
         if sub is None:
             return None
         o = self.options
         return Communicator(transport=sub, local_size=o.local_size, algorithm=o.algorithm,
-                            segment_bytes=o.segment_bytes, debug=o.debug,
+                            segment_bytes=o.segment_bytes, debug=o.debug, timeout=o.timeout,
                             cost_model=self.cost_model,
                             tuning=self.tuning if self.tuning is not None else False)
 
@@ -618,18 +757,30 @@ class Communicator:
             self._tail.result()
 
     def close(self):
-        """Finish outstanding work and free the duplicated communicator."""
+        """Finish outstanding work and free the duplicated communicator (collective: every
+        rank calls it). Later collectives raise CommunicatorClosedError; closing twice is
+        harmless."""
+        if self._closed:
+            return
         self.wait_all()
         if self._executor is not None:
             self._executor.shutdown()
             self._executor = None
         self._plan = None  # its steps are bound to the communicator freed below
+        self._closed = True
         self._t.close()
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        """Close; but if an exception escapes the with-block on one rank, the others may wait
+        for this rank forever: over MPI the error is printed and the job aborted (as
+        `python -m mpi4py` does), unless every rank raised it alike (a failed ringcoll check).
+        """
+        if (exc is not None and self.size > 1 and not self._closed
+                and not getattr(exc, "ringcoll_agreed", False)):
+            self._t.fail(exc)  # MPI: abort; threads: the other ranks stop, exc propagates
         self.close()
 
 
@@ -637,11 +788,11 @@ class _Plan:
     """An allreduce call's arguments and its checked steps. It holds x and out, so their ids
     cannot be reused while it lives: `plan.x is x` proves the very same arrays come back."""
 
-    __slots__ = ("x", "out", "op", "algorithm", "dtype", "steps")
+    __slots__ = ("x", "out", "op", "algorithm", "dtype", "name", "steps")
 
-    def __init__(self, x, out, op, algorithm, steps):
+    def __init__(self, x, out, op, algorithm, name, steps):
         self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
-        self.dtype, self.steps = x.dtype, steps
+        self.dtype, self.name, self.steps = x.dtype, name, steps
 
 
 def _run_steps(steps, result):

@@ -4,9 +4,11 @@
 |-----------------------|--------------------------------------------------------------------|
 | RINGCOLL_ALGO         | force an all-reduce algorithm (ring, recursive_doubling, ...)      |
 | RINGCOLL_LOCAL_SIZE   | group consecutive ranks into nodes of this many (hierarchical)     |
-| RINGCOLL_TIMEOUT      | seconds a thread-transport wait may block (default 60; 0 = no limit)|
+| RINGCOLL_TIMEOUT      | seconds a collective may make no progress before the job is aborted|
+|                       | (MPI: default 600; threads: default 60; 0 = no limit)              |
 | RINGCOLL_SEGMENT_BYTES| pipeline segment size of the ring algorithms                       |
-| RINGCOLL_DEBUG        | 1 = print which algorithm each collective ran, on rank 0           |
+| RINGCOLL_DEBUG        | 1 = all ranks compare each call before running it (fingerprints),  |
+|                       | and rank 0 prints each collective's algorithm                      |
 | RINGCOLL_TUNING       | tuning file auto looks up first (made by python -m ringcoll.tune); |
 |                       | "none": cost model only; unset: the built-in table (MPI only)      |
 
@@ -16,6 +18,11 @@ Explicit constructor arguments always win over the environment.
 import os
 from dataclasses import dataclass, replace
 
+from .errors import InvalidArgumentError
+
+#: RINGCOLL_TIMEOUT's default over MPI: generous (torch's NCCL watchdog waits 10 minutes too),
+#: since a legitimate collective can wait long for a rank that is still computing.
+MPI_TIMEOUT = 600.0
 DEFAULT_SEGMENT_BYTES = 4 << 20  # measured: smaller segments only add per-message cost on 2 cores
 
 
@@ -43,9 +50,9 @@ class Options:
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)
         if opts.local_size is not None and opts.local_size < 1:
-            raise ValueError(f"local_size must be >= 1, got {opts.local_size}")
+            raise InvalidArgumentError(f"local_size must be >= 1, got {opts.local_size}")
         if opts.segment_bytes < 1:
-            raise ValueError(f"segment_bytes must be >= 1, got {opts.segment_bytes}")
+            raise InvalidArgumentError(f"segment_bytes must be >= 1, got {opts.segment_bytes}")
         return opts
 
 
@@ -56,7 +63,7 @@ def _int(env, name):
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer") from None
+        raise InvalidArgumentError(f"{name}={value!r} is not an integer") from None
 
 
 def _float(env, name):
@@ -66,7 +73,7 @@ def _float(env, name):
     try:
         seconds = float(value)
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+        raise InvalidArgumentError(f"{name}={value!r} is not a number of seconds") from None
     if seconds < 0:
-        raise ValueError(f"{name}={value!r}: use a number of seconds >= 0 (0 = no limit)")
+        raise InvalidArgumentError(f"{name}={value!r}: use a number of seconds >= 0 (0 = no limit)")
     return seconds

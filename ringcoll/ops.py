@@ -10,6 +10,7 @@ import numpy as np
 
 from . import kernels
 from .arrays import HALF_TYPES
+from .errors import InvalidArgumentError, InvalidTypeError
 
 _NAMES = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "avg": "avg", "mean": "avg"}
 
@@ -81,7 +82,7 @@ def get_op(op, where=""):
         name = _mpi_op_name(op)
         if name is not None:
             return _OPS[name]
-    raise ValueError(
+    raise InvalidArgumentError(
         f"{where}unknown reduction op {op!r}; use one of 'sum', 'prod', 'max', 'min', 'avg' "
         "or MPI.SUM/MPI.PROD/MPI.MAX/MPI.MIN"
     )
@@ -104,12 +105,12 @@ def _mpi_op_name(op):
 def check_op_dtype(op, dtype, where=""):
     dtype = np.dtype(dtype)
     if op.name == "avg" and dtype.kind in "iu":
-        raise TypeError(
+        raise InvalidTypeError(
             f"{where}op 'avg' on integer dtype {dtype} would have to round; use op='sum' "
             "and divide yourself, or convert to a float dtype"
         )
     if op.name in ("max", "min") and dtype.kind == "c":
-        raise TypeError(f"{where}op '{op.name}' is not defined for complex dtype {dtype}")
+        raise InvalidTypeError(f"{where}op '{op.name}' is not defined for complex dtype {dtype}")
 
 
 def accumulate_dtype(dtype):

@@ -420,5 +420,5 @@ def test_auto_follows_a_hand_written_table_under_mpi(tmp_path):
     rc, log = launch(2, [str(script)], {"RINGCOLL_TUNING": str(table), "RINGCOLL_DEBUG": "1"})
     assert rc == 0, log
     assert "picked [('rabenseifner', 'ring'), ('rabenseifner', 'ring')]" in log, log
-    assert "allreduce 1024 B on 2 ranks -> rabenseifner" in log, log
-    assert "allreduce 1024 B on 2 ranks -> ring" in log, log
+    assert "shape=[256], in_place=False) on 2 ranks -> rabenseifner" in log, log
+    assert "shape=[256], in_place=True) on 2 ranks -> ring" in log, log

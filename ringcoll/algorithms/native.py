@@ -6,16 +6,16 @@ bfloat16, so those cannot use `native`.
 """
 
 from ..arrays import HALF_TYPES
-from ..errors import RingcollError
+from ..errors import InvalidArgumentError, InvalidTypeError
 
 
 def check(t, dtype, where):
     if not hasattr(t, "native_allreduce"):
-        raise RingcollError(f"{where}algorithm 'native' needs the MPI transport; "
+        raise InvalidArgumentError(f"{where}algorithm 'native' needs the MPI transport; "
                             "pick a ringcoll algorithm such as 'ring'")
     if dtype in HALF_TYPES:
-        raise TypeError(f"{where}MPI cannot reduce {dtype}; use a ringcoll algorithm "
-                        "(for example algorithm='ring'), which accumulates it in float32")
+        raise InvalidTypeError(f"{where}MPI cannot reduce {dtype}; use a ringcoll algorithm "
+                               "(for example algorithm='ring'), which accumulates it in float32")
 
 
 def bind_allreduce(t, src, dst, op_name):

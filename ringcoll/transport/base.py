@@ -30,6 +30,8 @@ class Tag(IntEnum):
     BARRIER = 11
     META = 12
     BRUCK = 13
+    HEADER = 14  # the (collective, count, dtype, op) check with the left neighbour
+    FINGERPRINT = 15  # debug mode's exchange of every rank's call before each collective
     VIEW_STRIDE = 32
 
 
@@ -43,11 +45,51 @@ def describe_tag(tag):
     return f"{name} (sub-group {group})" if group else name
 
 
+class Progress:
+    """What one rank is doing right now, for error messages and the MPI watchdog.
+
+    The Communicator sets the collective (its name, sequence number and algorithm) around each
+    call; the transport notes the peer and tag of every receive it starts or blocking send it
+    makes, and counts them in `step`. Plain attribute writes: cheap enough for the hot path.
+    """
+
+    __slots__ = ("seq", "collective", "algorithm", "step", "peer", "tag")
+
+    def __init__(self):
+        self.seq = 0  # collectives started on this communicator, this one included
+        self.collective = None  # None while no collective runs
+        self.algorithm = None
+        self.step = 0
+        self.peer = self.tag = None
+
+    def begin(self, collective, algorithm):
+        self.seq += 1
+        self.collective, self.algorithm = collective, algorithm
+        self.step, self.peer, self.tag = 0, None, None
+
+    def end(self):
+        self.collective = None
+
+    def call(self):
+        """'allreduce #7 (ring)': the collective as error messages name it."""
+        if self.collective is None:
+            return f"after collective #{self.seq}"
+        algorithm = f" ({self.algorithm})" if self.algorithm else ""
+        return f"{self.collective} #{self.seq}{algorithm}"
+
+    def waiting(self):
+        """'step 3: rank 1 (ring_allgather)': the message this rank last waited for."""
+        if self.peer is None:
+            return "before its first message"
+        return f"step {self.step}: rank {self.peer} ({describe_tag(self.tag)})"
+
+
 class Transport:
     """Abstract point-to-point transport; see the module docstring for the contract."""
 
     rank: int
     size: int
+    progress: Progress
 
     def send(self, buf, peer, tag):
         self.wait(self.isend(buf, peer, tag))
@@ -93,6 +135,14 @@ class Transport:
         """A Transport over `members` (parent ranks, in group order); see View."""
         return View(self, members, tag_offset)
 
+    def fail(self, exc):
+        """A collective failed part-way through, so other ranks may wait in it forever.
+
+        In-process transports mark their world failed (every rank then stops with
+        PeerFailedError) and re-raise; the MPI transport prints exc and aborts the job.
+        """
+        raise exc
+
 
 class View(Transport):
     """A sub-group of a transport: rank i of the view is parent rank members[i].
@@ -106,6 +156,7 @@ class View(Transport):
         if parent.rank not in members:
             raise ValueError(f"rank {parent.rank} is not a member of the view {members}")
         self.parent = parent
+        self.progress = parent.progress  # peers are recorded as parent ranks: the real ones
         self.members = members
         self.rank = members.index(parent.rank)
         self.size = len(members)
@@ -147,3 +198,6 @@ class View(Transport):
 
     def test(self, req):
         return self.parent.test(req)
+
+    def fail(self, exc):
+        self.parent.fail(exc)

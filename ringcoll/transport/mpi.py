@@ -4,49 +4,126 @@ Every message is sent as raw bytes ([buf, MPI.BYTE]) so any dtype travels, inclu
 has no datatype for (float16, bfloat16). The communicator is the user's duplicated once, so
 ringcoll traffic has its own context and can never match a message of the user's.
 This is the only module of ringcoll's lower layers that imports mpi4py.
+
+Failure handling. MPI cannot interrupt a rank blocked in a receive, so:
+- every blocking receive checks the size of what arrived (MPI itself rejects a longer message
+  than the buffer, ERR_TRUNCATE; a shorter one is caught from the status);
+- a collective that fails part-way calls fail(): it prints the error and aborts the job
+  (MPI_Abort, exit code ringcoll.errors.ABORT_CODE), because its peers may wait forever;
+- a watchdog thread aborts the job when one collective has made no progress for `timeout`
+  seconds, naming the collective, its sequence number, the step and the peer waited for.
+  It costs nothing on the hot path: the communicator and the transport only write a few
+  attributes of a Progress record, which the watchdog reads every timeout / 20 s (at most 1 s).
 """
 
+import os
+import sys
+import threading
+import time
+import traceback
 from functools import partial
 
 from mpi4py import MPI
 
-from .base import Transport
+from ..errors import ABORT_CODE, CollectiveMismatchError, InvalidArgumentError
+from .base import Progress, Transport, describe_tag
+
+BYTE = MPI.BYTE
 
 
 class MPITransport(Transport):
-    def __init__(self, comm, *, dup=True):
+    def __init__(self, comm, *, dup=True, timeout=None):
+        if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+            raise InvalidArgumentError(
+                f"ringcoll.Communicator: comm must be an mpi4py communicator this process "
+                f"belongs to, got {comm!r} (MPI.COMM_NULL is what Split gives a process that "
+                "passed MPI.UNDEFINED: such a process has no collectives to run)")
+        if comm.Is_inter():
+            raise InvalidArgumentError("ringcoll.Communicator: inter-communicators are not "
+                                       "supported; pass an intra-communicator (Merge() one)")
         self.comm = comm.Dup() if dup else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.thread_multiple = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        self.progress = Progress()
+        self.timeout = timeout
+        self._status = MPI.Status()
+        self._watchdog = _Watchdog(self, timeout) if timeout and self.size > 1 else None
 
     # point-to-point -------------------------------------------------------------------------
+    # Receives (and blocking sends) note their peer and tag in self.progress first, so the
+    # watchdog and error messages can say which message never came.
     def isend(self, buf, peer, tag):
-        return self.comm.Isend([buf, MPI.BYTE], peer, tag)
+        return self.comm.Isend([buf, BYTE], peer, tag)
 
     def irecv(self, buf, peer, tag):
-        return self.comm.Irecv([buf, MPI.BYTE], peer, tag)
+        progress = self.progress
+        progress.step += 1
+        progress.peer, progress.tag = peer, tag
+        return self.comm.Irecv([buf, BYTE], peer, tag)
 
     def send(self, buf, peer, tag):
-        self.comm.Send([buf, MPI.BYTE], peer, tag)
+        progress = self.progress
+        progress.step += 1
+        progress.peer, progress.tag = peer, tag
+        self.comm.Send([buf, BYTE], peer, tag)
 
     def recv(self, buf, peer, tag):
-        self.comm.Recv([buf, MPI.BYTE], peer, tag)
+        progress, status = self.progress, self._status
+        progress.step += 1
+        progress.peer, progress.tag = peer, tag
+        self.comm.Recv([buf, BYTE], peer, tag, status)
+        if status.Get_count(BYTE) != buf.nbytes:
+            raise self._short(status.Get_count(BYTE), buf.nbytes, peer, tag)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        self.comm.Sendrecv([sendbuf, MPI.BYTE], dest, tag, [recvbuf, MPI.BYTE], source, tag)
+        progress, status = self.progress, self._status
+        progress.step += 1
+        progress.peer, progress.tag = source, tag
+        self.comm.Sendrecv([sendbuf, BYTE], dest, tag, [recvbuf, BYTE], source, tag, status)
+        if status.Get_count(BYTE) != recvbuf.nbytes:
+            raise self._short(status.Get_count(BYTE), recvbuf.nbytes, source, tag)
 
-    # bound forms: mpi4py's methods themselves with the arguments fixed, so a replayed step
-    # is one C call (the [buf, MPI.BYTE] message is still parsed per call: it is cheap).
+    # bound forms: mpi4py's methods with the arguments fixed, wrapped in a closure that notes
+    # progress and checks the received size (about 0.1 us a step over the bare call).
     def bind_send(self, buf, peer, tag):
-        return partial(self.comm.Send, [buf, MPI.BYTE], peer, tag)
+        call = partial(self.comm.Send, [buf, BYTE], peer, tag)
+        progress = self.progress
+
+        def step():
+            progress.step += 1
+            progress.peer, progress.tag = peer, tag
+            call()
+        return step
 
     def bind_recv(self, buf, peer, tag):
-        return partial(self.comm.Recv, [buf, MPI.BYTE], peer, tag)
+        status = MPI.Status()
+        call = partial(self.comm.Recv, [buf, BYTE], peer, tag, status)
+        return self._checked(call, buf.nbytes, peer, tag, status)
 
     def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        return partial(self.comm.Sendrecv, [sendbuf, MPI.BYTE], dest, tag,
-                       [recvbuf, MPI.BYTE], source, tag)
+        status = MPI.Status()
+        call = partial(self.comm.Sendrecv, [sendbuf, BYTE], dest, tag,
+                       [recvbuf, BYTE], source, tag, status)
+        return self._checked(call, recvbuf.nbytes, source, tag, status)
+
+    def _checked(self, call, nbytes, peer, tag, status):
+        progress = self.progress
+
+        def step():
+            progress.step += 1
+            progress.peer, progress.tag = peer, tag
+            call()
+            if status.Get_count(BYTE) != nbytes:
+                raise self._short(status.Get_count(BYTE), nbytes, peer, tag)
+        return step
+
+    def _short(self, got, nbytes, peer, tag):
+        return CollectiveMismatchError(
+            f"ringcoll rank {self.rank}, {self.progress.call()}: received {got} bytes from rank "
+            f"{peer} ({describe_tag(tag)}) where {nbytes} were expected; the ranks disagree on "
+            "the element count or dtype. Pass the same count and dtype on every rank "
+            "(RINGCOLL_DEBUG=1 names the rank that differs).")
 
     def bind_native_allreduce(self, sendbuf, recvbuf, op_name):
         return partial(self.comm.Allreduce, _in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
@@ -60,11 +137,41 @@ class MPITransport(Transport):
     def test(self, req):
         return req.Test()
 
+    # failure --------------------------------------------------------------------------------
+    def fail(self, exc):
+        """Print exc and abort the job: a collective failed part-way, so its peers may wait in
+        it forever (one rank alone has no peers: then exc is simply raised)."""
+        if self.size == 1:
+            raise exc
+        self.abort(f"{self._explain(exc)}ringcoll rank {self.rank}: aborting the job "
+                   f"(MPI_Abort, exit code {ABORT_CODE}): the other ranks cannot finish "
+                   f"{self.progress.call()} without this one.")
+
+    def _explain(self, exc):
+        if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_TRUNCATE:
+            return (f"ringcoll.errors.CollectiveMismatchError: ringcoll rank {self.rank}, "
+                    f"{self.progress.call()}: a message from {self.progress.waiting()} was "
+                    "longer than this rank expected; the ranks disagree on the element count "
+                    "or dtype. Pass the same count and dtype on every rank (RINGCOLL_DEBUG=1 "
+                    "names the rank that differs).\n")
+        return "".join(traceback.format_exception(exc))
+
+    def abort(self, message):
+        """Write message to stderr and end the whole job with ABORT_CODE."""
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if MPI.Is_finalized():
+            os._exit(ABORT_CODE)
+        self.comm.Abort(ABORT_CODE)
+
     # groups ---------------------------------------------------------------------------------
     def split(self, color, key):
         """A transport over the ranks with the same color (None: this rank takes no part)."""
         sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
-        return None if sub == MPI.COMM_NULL else MPITransport(sub, dup=False)
+        return (None if sub == MPI.COMM_NULL
+                else MPITransport(sub, dup=False, timeout=self.timeout))
 
     def node_ids(self):
         """For every rank, an id shared by exactly the ranks on the same shared-memory node."""
@@ -79,6 +186,8 @@ class MPITransport(Transport):
         return self.comm.allgather(obj)
 
     def close(self):
+        if self._watchdog is not None:
+            self._watchdog.stop()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
@@ -114,3 +223,46 @@ _OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "MIN": MPI.MIN}
 
 def _in_place(sendbuf, recvbuf):
     return MPI.IN_PLACE if sendbuf is recvbuf else sendbuf
+
+
+class _Watchdog:
+    """Aborts the job when one collective has made no progress for `timeout` seconds.
+
+    It polls the transport's Progress record: the same collective sequence number still
+    running on two looks `timeout` apart means the rank is stuck (MPI gives no way to
+    interrupt the blocked call, and the other ranks are stuck behind it or already gone).
+    """
+
+    def __init__(self, transport, timeout):
+        self.transport, self.timeout = transport, timeout
+        self._stop = threading.Event()
+        thread = threading.Thread(target=self._watch, daemon=True,
+                                  name=f"ringcoll-watchdog-{transport.rank}")
+        thread.start()
+
+    def stop(self):
+        self._stop.set()
+
+    def _watch(self):
+        progress = self.transport.progress
+        seen = since = None
+        while not self._stop.wait(min(1.0, self.timeout / 20)):
+            if progress.collective is None:
+                seen = None
+                continue
+            now = time.monotonic()
+            if progress.seq != seen:
+                seen, since = progress.seq, now
+            elif now - since >= self.timeout:
+                self._fire(now - since)
+                return
+
+    def _fire(self, waited):
+        t, progress = self.transport, self.transport.progress
+        t.abort(
+            f"ringcoll.errors.CollectiveTimeoutError: ringcoll rank {t.rank}, "
+            f"{progress.call()}: no progress for {waited:.1f} s, waiting at "
+            f"{progress.waiting()}. That rank (or one it waits for) skipped this collective, "
+            "called a different one, raised or exited: look for its own ringcoll message. "
+            f"Aborting the job (MPI_Abort, exit code {ABORT_CODE}); if the job is only slow, "
+            "raise RINGCOLL_TIMEOUT (seconds; 0 = no limit).")

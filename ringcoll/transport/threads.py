@@ -15,7 +15,7 @@ from collections import deque
 import numpy as np
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
-from .base import Transport, describe_tag
+from .base import Progress, Transport, describe_tag
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -65,6 +65,7 @@ class ThreadTransport(Transport):
         self.world = world
         self.rank = rank
         self.size = world.size
+        self.progress = Progress()
         self._nsplits = 0
 
     def isend(self, buf, peer, tag):
@@ -104,24 +105,33 @@ class ThreadTransport(Transport):
                 if not req.done:
                     self._raise_stuck(req, ok)
         if req.error is not None:
-            raise req.error
+            raise self._mismatch(req)
 
     def test(self, req):
         if req.done and req.error is not None:
-            raise req.error
+            raise self._mismatch(req)
         return req.done
+
+    def _mismatch(self, req):
+        return CollectiveMismatchError(f"ringcoll rank {self.rank}, {self.progress.call()}: "
+                                       f"{req.error}")
+
+    def fail(self, exc):
+        self.world.fail(self.rank, exc)  # the others stop at once, as MPI_Abort would make them
+        raise exc
 
     def _raise_stuck(self, req, ok):
         failure = self.world.failure()
         if failure is not None:
             rank, exc = failure
             raise PeerFailedError(
-                f"ringcoll rank {self.rank}: gave up waiting for rank {req.src} "
+                f"ringcoll rank {self.rank}, {self.progress.call()}: gave up waiting for "
+                f"rank {req.src} "
                 f"({describe_tag(req.tag)}) because rank {rank} failed: "
                 f"{type(exc).__name__}: {exc}"
             )
         raise CollectiveTimeoutError(
-            f"ringcoll rank {self.rank}: no message from rank {req.src} "
+            f"ringcoll rank {self.rank}, {self.progress.call()}: no message from rank {req.src} "
             f"({describe_tag(req.tag)}) within {self.world.timeout} s; a rank skipped a "
             "collective or called a different one. Raise RINGCOLL_TIMEOUT if the job is just slow."
         )
@@ -161,11 +171,11 @@ class ThreadTransport(Transport):
 def _deliver(req, data, src, dst, tag):
     dest = req.buf.view(np.uint8)
     if dest.nbytes != data.nbytes:
-        req.error = CollectiveMismatchError(
-            f"ringcoll rank {dst}: received {data.nbytes} bytes from rank {src} "
-            f"({describe_tag(tag)}) "
-            f"into a {dest.nbytes}-byte buffer; the ranks disagree on the element count, dtype "
-            "or collective. Pass the same count and dtype on every rank."
+        req.error = (  # raised by the receiver's wait, which names the collective
+            f"received {data.nbytes} bytes from rank {src} ({describe_tag(tag)}) into a "
+            f"{dest.nbytes}-byte buffer; the ranks disagree on the element count, dtype or "
+            "collective. Pass the same count and dtype on every rank (RINGCOLL_DEBUG=1 names "
+            "the rank that differs)."
         )
     else:
         dest[...] = data
