@@ -143,6 +143,8 @@ def compare(t, records, ignore=()):
         return
     fields = dict.fromkeys(k for rec in records for k in rec if k not in ignore)
     differ = [k for k in fields if len({json.dumps(rec.get(k)) for rec in records}) > 1]
+    if "seq" in differ or "collective" in differ:  # then the rest differ as a consequence
+        differ = [k for k in differ if k in ("seq", "collective")]
     lines = [f"  rank(s) {ranks}: {_describe(records[ranks[0]], ignore)}"
              for ranks in calls.values()]
     fixes = "; ".join(_FIXES.get(k, f"pass the same {k} on every rank") for k in differ)
@@ -155,4 +157,4 @@ def _describe(rec, ignore):
     head = f"{rec.get('collective')} #{rec.get('seq')}"
     rest = ", ".join(f"{k}={v}" for k, v in rec.items()
                      if k not in ("seq", "collective") and k not in ignore)
-    return f"{head}({rest})"
+    return f"{head} ({rest})"

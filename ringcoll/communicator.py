@@ -163,11 +163,11 @@ class Communicator:
                 self._agree(collective, algorithm, fields)
             result = fn()
         except BaseException as exc:
-            progress.end()
             if not getattr(exc, "ringcoll_agreed", False):
                 self._t.fail(exc)
             raise
-        progress.end()
+        finally:
+            progress.end()
         return result
 
     def _agree(self, collective, algorithm, fields):
@@ -318,10 +318,10 @@ class Communicator:
                 for step in plan.steps:
                     step()
             except BaseException as exc:
-                progress.end()
-                self._t.fail(exc)
+                self._t.fail(exc)  # MPI: print it and abort the job; threads: stop the others
                 raise
-            progress.end()
+            finally:
+                progress.end()
             return out
         try:
             steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
@@ -780,7 +780,9 @@ class Communicator:
         """
         if (exc is not None and self.size > 1 and not self._closed
                 and not getattr(exc, "ringcoll_agreed", False)):
-            self._t.fail(exc)  # MPI: abort; threads: the other ranks stop, exc propagates
+            # MPI: print it and abort the job; threads: the other ranks stop, exc propagates
+            self._t.fail(exc, "an exception escaped `with Communicator()` on this rank, and "
+                         "the other ranks would wait for it in their next collective")
         self.close()
 
 

@@ -10,14 +10,12 @@ fails the test instead of hanging. The wall time of each launch is printed in py
 import ast
 import json
 import os
-import shutil
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+import _mpirun as mpirun
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "mpi_checks.py"
@@ -29,41 +27,14 @@ GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "broad
           "compat"]
 
 
-def find_mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    return shutil.which("mpiexec")
-
-
-MPIEXEC = find_mpiexec()
-pytestmark = pytest.mark.skipif(
-    MPIEXEC is None, reason="no mpiexec next to this Python or on PATH: install an MPI "
-    "(pip install -e '.[mpich]') to run the MPI tier")
+MPIEXEC = mpirun.MPIEXEC
+pytestmark = mpirun.needs_mpi
 
 
 def launch(nprocs, args, timeout=LAUNCH_TIMEOUT, script=WORKER):
-    """Run mpiexec -n nprocs python script args; returns (returncode, output, seconds).
-
-    The job runs in its own session; past the deadline the whole process group is killed and
-    the returncode is None.
-    """
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOLL_")}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    cmd = [MPIEXEC, "-n", str(nprocs), sys.executable, str(script), *args]
-    start = time.time()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=env, cwd=str(HERE.parent), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out += f"\n*** killed after the {timeout} s deadline: a deadlock or a hang ***"
-        rc = None
-    return rc, out, time.time() - start
+    """mpiexec -n nprocs python script args: (returncode, or None after the deadline; output;
+    seconds)."""
+    return mpirun.launch(nprocs, [script, *args], timeout=timeout)
 
 
 _RUNS = {}

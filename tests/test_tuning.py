@@ -9,15 +9,14 @@ hand-written table under MPI, in place and out of place.
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+import _mpirun as mpirun
 
 import ringcoll
 from ringcoll import tune
@@ -339,30 +338,13 @@ def test_write_atomic_leaves_no_temporary_file(tmp_path):
 
 
 # -- real mpiexec launches ------------------------------------------------------------------------
-def find_mpiexec():
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec")
-
-
-MPIEXEC = find_mpiexec()
-needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec next to this Python or on "
-                               "PATH: install an MPI (pip install -e '.[mpich]')")
+needs_mpi = mpirun.needs_mpi
 
 
 def launch(nprocs, args, env_extra=None, timeout=LAUNCH_TIMEOUT):
     """mpiexec -n nprocs python args; returns (returncode or None on a hang, output)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOLL_")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env_extra or {}))
-    proc = subprocess.Popen([MPIEXEC, "-n", str(nprocs), sys.executable, *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(ROOT), start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out + f"\n*** killed after the {timeout} s deadline ***"
+    rc, out, _ = mpirun.launch(nprocs, args, env=env_extra, timeout=timeout)
+    return rc, out
 
 
 @needs_mpi

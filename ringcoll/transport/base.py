@@ -135,11 +135,12 @@ class Transport:
         """A Transport over `members` (parent ranks, in group order); see View."""
         return View(self, members, tag_offset)
 
-    def fail(self, exc):
+    def fail(self, exc, why=None):
         """A collective failed part-way through, so other ranks may wait in it forever.
 
         In-process transports mark their world failed (every rank then stops with
-        PeerFailedError) and re-raise; the MPI transport prints exc and aborts the job.
+        PeerFailedError) and re-raise; the MPI transport prints exc (and why, if given) and
+        aborts the job.
         """
         raise exc
 
@@ -199,5 +200,5 @@ class View(Transport):
     def test(self, req):
         return self.parent.test(req)
 
-    def fail(self, exc):
-        self.parent.fail(exc)
+    def fail(self, exc, why=None):
+        self.parent.fail(exc, why)

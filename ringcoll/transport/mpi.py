@@ -138,14 +138,14 @@ class MPITransport(Transport):
         return req.Test()
 
     # failure --------------------------------------------------------------------------------
-    def fail(self, exc):
+    def fail(self, exc, why=None):
         """Print exc and abort the job: a collective failed part-way, so its peers may wait in
         it forever (one rank alone has no peers: then exc is simply raised)."""
         if self.size == 1:
             raise exc
+        why = why or f"the other ranks cannot finish {self.progress.call()} without this one"
         self.abort(f"{self._explain(exc)}ringcoll rank {self.rank}: aborting the job "
-                   f"(MPI_Abort, exit code {ABORT_CODE}): the other ranks cannot finish "
-                   f"{self.progress.call()} without this one.")
+                   f"(MPI_Abort, exit code {ABORT_CODE}): {why}.")
 
     def _explain(self, exc):
         if isinstance(exc, MPI.Exception) and exc.Get_error_class() == MPI.ERR_TRUNCATE:

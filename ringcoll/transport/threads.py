@@ -116,7 +116,7 @@ class ThreadTransport(Transport):
         return CollectiveMismatchError(f"ringcoll rank {self.rank}, {self.progress.call()}: "
                                        f"{req.error}")
 
-    def fail(self, exc):
+    def fail(self, exc, why=None):
         self.world.fail(self.rank, exc)  # the others stop at once, as MPI_Abort would make them
         raise exc
 
