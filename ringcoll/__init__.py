@@ -9,8 +9,9 @@ See README.md for the algorithms, their costs and the benchmarks.
 
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .communicator import Communicator, Request, run_threads
-from .errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError,
-                     RingcollError)
+from .errors import (ABORT_CODE, CollectiveMismatchError, CollectiveTimeoutError,
+                     CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
+                     PeerFailedError, RingcollError)
 from .tuning import Tuning, TuningFileError
 
 __version__ = "0.1.0"
@@ -24,11 +25,15 @@ def wrap(mpi_comm=None, **options):
 
 
 __all__ = [
+    "ABORT_CODE",
     "ALLREDUCE_NAMES",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Communicator",
+    "CommunicatorClosedError",
     "CostModel",
+    "InvalidArgumentError",
+    "InvalidTypeError",
     "PeerFailedError",
     "Request",
     "RingcollError",

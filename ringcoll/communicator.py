@@ -110,6 +110,7 @@ class Communicator:
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted, while it may be pending
         self._plan = None  # the last allreduce with out=, to replay if called again the same
+        self._printed = set()  # debug mode: the calls whose algorithm rank 0 has printed
 
     # -- topology ------------------------------------------------------------------------
     def _find_nodes(self):
@@ -175,10 +176,13 @@ class Communicator:
                                     {"algorithm": algorithm, **(fields or {})})
         checks.compare(self._t, checks.exchange_fingerprints(self._t, record, self._ws),
                        ignore=("rows",))
-        if self.rank == 0 and algorithm is not None:
+        if self.rank == 0 and algorithm is not None:  # each distinct call once, not per step
             call = ", ".join(f"{k}={v}" for k, v in (fields or {}).items())
-            print(f"ringcoll: {collective} #{self._progress.seq} ({call}) on {self.size} ranks "
-                  f"-> {algorithm}", file=sys.stderr, flush=True)
+            key = (collective, call, algorithm)
+            if key not in self._printed:
+                self._printed.add(key)
+                print(f"ringcoll: {collective} #{self._progress.seq} ({call}) on {self.size} "
+                      f"ranks -> {algorithm}", file=sys.stderr, flush=True)
 
     def _invalid(self, exc, collective):
         """This rank's arguments are invalid (exc is about to be raised). In debug mode the

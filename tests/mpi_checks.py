@@ -468,6 +468,19 @@ def check_errors(comms, light):
         # allgather's exchange finds it on every rank (no early release under MPI)
         CK.raises("allgather trailing", ringcoll.CollectiveMismatchError,
                   lambda: comm.allgather(np.ones((2, 3 if RANK != P - 1 else 4))), "trailing")
+    # the classes are ringcoll's own, and NumPy-style at once
+    CK.raises("bad op class", ringcoll.InvalidArgumentError,
+              lambda: comm.allreduce(np.ones(3), op="xor"), "ringcoll rank")
+    CK.raises("avg int class", ringcoll.InvalidTypeError,
+              lambda: comm.allreduce(np.ones(3, np.int32), op="avg"), "op='sum'")
+    CK.raises("COMM_NULL", ringcoll.InvalidArgumentError,
+              lambda: ringcoll.Communicator(MPI.COMM_NULL), "COMM_NULL")
+    closed = ringcoll.Communicator()
+    closed.close()
+    closed.close()  # twice is harmless
+    CK.raises("closed", ringcoll.CommunicatorClosedError,
+              lambda: closed.allreduce(np.ones(3)), "closed")
+    CK.raises("closed barrier", ringcoll.CommunicatorClosedError, closed.barrier, "barrier")
     y = CK.attempt("after errors", lambda: comm.allreduce(np.array([RANK])))
     CK.check(y is not None and y.tolist() == [P * (P - 1) // 2], "communicator usable after errors")
 

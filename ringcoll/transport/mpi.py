@@ -33,14 +33,16 @@ BYTE = MPI.BYTE
 
 class MPITransport(Transport):
     def __init__(self, comm, *, dup=True, timeout=None):
+        ctx = f"ringcoll rank {MPI.COMM_WORLD.Get_rank()}, Communicator(): "  # a world rank
         if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+            got = "MPI.COMM_NULL" if comm == MPI.COMM_NULL else type(comm).__name__
             raise InvalidArgumentError(
-                f"ringcoll.Communicator: comm must be an mpi4py communicator this process "
-                f"belongs to, got {comm!r} (MPI.COMM_NULL is what Split gives a process that "
-                "passed MPI.UNDEFINED: such a process has no collectives to run)")
+                f"{ctx}comm must be an mpi4py communicator this process belongs to, got {got} "
+                "(MPI.COMM_NULL is what Split gives a process that passed MPI.UNDEFINED: "
+                "such a process has no collectives to run)")
         if comm.Is_inter():
-            raise InvalidArgumentError("ringcoll.Communicator: inter-communicators are not "
-                                       "supported; pass an intra-communicator (Merge() one)")
+            raise InvalidArgumentError(f"{ctx}inter-communicators are not supported; pass an "
+                                       "intra-communicator (Merge() this one)")
         self.comm = comm.Dup() if dup else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
