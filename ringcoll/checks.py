@@ -46,6 +46,7 @@ _FIXES = {
     "root": "pass the same root on every rank",
     "algorithm": "pass the same algorithm on every rank (and the same RINGCOLL_ALGO, "
                  "RINGCOLL_TUNING and RINGCOLL_SEGMENT_BYTES)",
+    "layout": "pass x in the same memory layout (C or F order) on every rank",
     "in_place": "call in place (out=x) on every rank or on none, as with MPI_IN_PLACE",
 }
 

@@ -377,6 +377,8 @@ class Communicator:
             fields["op"] = op.name
         if x is not None:
             fields["dtype"], fields["shape"] = x.dtype.name, list(x.shape)
+            if x.ndim > 1:  # the order x is sent and reduced in (see _elementwise)
+                fields["layout"] = "F" if x.flags.f_contiguous and not x.flags.c_contiguous else "C"
         fields.update(more)
         return fields
 
@@ -784,6 +786,10 @@ class Communicator:
         """
         if (exc is not None and self.size > 1 and not self._closed
                 and not getattr(exc, "ringcoll_agreed", False)):
+            self._closed = True  # no collective can run on it any more: nothing to wait for
+            self._plan = None
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
             # MPI: print it and abort the job; threads: the other ranks stop, exc propagates
             self._t.fail(exc, "an exception escaped `with Communicator()` on this rank, and "
                          "the other ranks would wait for it in their next collective")

@@ -110,7 +110,9 @@ def check_op_dtype(op, dtype, where=""):
             "and divide yourself, or convert to a float dtype"
         )
     if op.name in ("max", "min") and dtype.kind == "c":
-        raise InvalidTypeError(f"{where}op '{op.name}' is not defined for complex dtype {dtype}")
+        raise InvalidTypeError(f"{where}op '{op.name}' is not defined for complex dtype {dtype}; "
+                               "use 'sum' or 'prod', or reduce np.abs(x) or the real and imaginary "
+                               "parts separately")
 
 
 def accumulate_dtype(dtype):

@@ -33,7 +33,7 @@ from .recursive_doubling import core_rank, fold, fold_in, fold_out, real_rank
 def schedule(t, src, dst, combine, ws):
     """The steps that set dst = reduction of every rank's src (dst may be src: in place)."""
     p, n = t.size, dst.size
-    if p == 1 or n == 0:
+    if p == 1:  # (n == 0 still exchanges its empty messages: a rank passing more sees them)
         return [] if dst is src else [partial(np.copyto, dst, src)]
     core, rem = fold(p)
     folds_in = t.rank < 2 * rem and t.rank % 2 == 1

@@ -87,7 +87,7 @@ def fold_out(t, buf, rem):
 def schedule(t, src, dst, combine, ws):
     """The steps that set dst = reduction of every rank's src (dst may be src: in place)."""
     p, n = t.size, dst.size
-    if p == 1 or n == 0:
+    if p == 1:  # (n == 0 still exchanges its empty messages: a rank passing more sees them)
         return [] if dst is src else [partial(np.copyto, dst, src)]
     tmp = ws.scratch("rd.tmp", n, dst.dtype)
     small = dst.nbytes <= SMALL  # reduce straight into dst: no final copy
