@@ -81,11 +81,8 @@ def reduce_scatter(t, src, work, part, combine, ws, result=None):
     t.waitall(sends)
 
 
-def allgather(t, buf, part, ws, tag=Tag.RING_ALLGATHER):
-    """Fill every block of buf from its owner; block t.rank must already hold this rank's.
-
-    tag: other users of this all-gather (debug mode's fingerprints) pass their own tag, so
-    their messages can never match a data all-gather's."""
+def allgather(t, buf, part, ws):
+    """Fill every block of buf from its owner; block t.rank must already hold this rank's."""
     p, r = t.size, t.rank
     if p == 1:
         return
@@ -93,16 +90,16 @@ def allgather(t, buf, part, ws, tag=Tag.RING_ALLGATHER):
     seg = ws.segment_elems(buf.dtype)
 
     own = buf[part.slices[r]]
-    sends = [t.isend(own[k], right, tag) for k in segments(own.size, seg)]
+    sends = [t.isend(own[k], right, Tag.RING_ALLGATHER) for k in segments(own.size, seg)]
     for step in range(p - 1):
         block = buf[part.slices[(r - step - 1) % p]]
         pieces = segments(block.size, seg)
-        recvs = [t.irecv(block[k], left, tag) for k in pieces]
+        recvs = [t.irecv(block[k], left, Tag.RING_ALLGATHER) for k in pieces]
         forward = step < p - 2
         for k, req in zip(pieces, recvs):
             t.wait(req)
             if forward:
-                sends.append(t.isend(block[k], right, tag))
+                sends.append(t.isend(block[k], right, Tag.RING_ALLGATHER))
     t.waitall(sends)
 
 

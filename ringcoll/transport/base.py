@@ -48,40 +48,41 @@ def describe_tag(tag):
 class Progress:
     """What one rank is doing right now, for error messages and the MPI watchdog.
 
-    The Communicator sets the collective (its name, sequence number and algorithm) around each
-    call; the transport notes the peer and tag of every receive it starts or blocking send it
-    makes, and counts them in `step`. Plain attribute writes: cheap enough for the hot path.
+    The Communicator sets `current` = (collective, algorithm) around each call and counts the
+    calls in `seq`; the transport notes in `at` the (peer, tag) of every receive it starts or
+    blocking send it makes, and counts them in `step`.
+    Plain attribute writes: cheap enough for the hot path.
     """
 
-    __slots__ = ("seq", "collective", "algorithm", "step", "peer", "tag")
+    __slots__ = ("seq", "current", "step", "at")
 
     def __init__(self):
         self.seq = 0  # collectives started on this communicator, this one included
-        self.collective = None  # None while no collective runs
-        self.algorithm = None
+        self.current = None  # (collective, algorithm) while one runs, else None
         self.step = 0
-        self.peer = self.tag = None
+        self.at = None
 
     def begin(self, collective, algorithm):
         self.seq += 1
-        self.collective, self.algorithm = collective, algorithm
-        self.step, self.peer, self.tag = 0, None, None
+        self.current = (collective, algorithm)
+        self.step, self.at = 0, None
 
     def end(self):
-        self.collective = None
+        self.current = None
 
     def call(self):
         """'allreduce #7 (ring)': the collective as error messages name it."""
-        if self.collective is None:
+        if self.current is None:
             return f"after collective #{self.seq}"
-        algorithm = f" ({self.algorithm})" if self.algorithm else ""
-        return f"{self.collective} #{self.seq}{algorithm}"
+        collective, algorithm = self.current
+        return f"{collective} #{self.seq}" + (f" ({algorithm})" if algorithm else "")
 
     def waiting(self):
         """'step 3: rank 1 (ring_allgather)': the message this rank last waited for."""
-        if self.peer is None:
+        if self.at is None:
             return "before its first message"
-        return f"step {self.step}: rank {self.peer} ({describe_tag(self.tag)})"
+        peer, tag = self.at
+        return f"step {self.step}: rank {peer} ({describe_tag(tag)})"
 
 
 class Transport:
