@@ -109,11 +109,12 @@ def fingerprint(seq, collective, fields):
 
 
 def exchange_fingerprints(t, record):
-    """All-gather every rank's fingerprint: a (p, FINGERPRINT_BYTES) table in rank order.
+    """All-gather every rank's fingerprint: a (p, FINGERPRINT_BYTES) table whose row i is rank
+    (t.rank + i) % p's record (row 0 is this rank's own).
 
     Bruck's all-gather, ceil(log2 p) sendrecv steps: at the step with distance d, rank r
     sends the records it holds (its own and the next ones, r .. r + have - 1) to r - d and
-    receives those of r + d .. from r + d. slots[i] holds rank (r + i) % p's record.
+    receives those of r + d .. from r + d.
     """
     p, r = t.size, t.rank
     slots = np.empty((p, FINGERPRINT_BYTES), dtype=np.uint8)
@@ -124,7 +125,7 @@ def exchange_fingerprints(t, record):
         t.sendrecv(slots[:c].reshape(-1), (r - d) % p, slots[have:have + c].reshape(-1),
                    (r + d) % p, Tag.FINGERPRINT)
         have, d = have + c, 2 * d
-    return np.roll(slots, r, axis=0)  # row q = slots[(q - r) % p]: rank q's record
+    return slots
 
 
 def _decode(row):
@@ -135,11 +136,11 @@ def _decode(row):
         return {"collective": f"something that is not a ringcoll fingerprint ({text[:40]!r})"}
 
 
-def compare(t, table):
+def compare(t, slots):
     """Raise on every rank alike if the records disagree (or a rank reported an error)."""
-    if (table == table[t.rank]).all():  # the usual case: every byte agrees, nothing to decode
+    if (slots == slots[0]).all():  # the usual case: every byte agrees, nothing to decode
         return
-    records = [_decode(row) for row in table]
+    records = [_decode(row) for row in np.roll(slots, t.rank, axis=0)]  # in rank order
     failed = [r for r, rec in enumerate(records) if "error" in rec]
     if failed:
         if t.rank in failed:

@@ -175,11 +175,11 @@ class Communicator:
         record = checks.fingerprint(self._progress.seq, collective,
                                     {"algorithm": algorithm, **(fields or {})})
         checks.compare(self._t, checks.exchange_fingerprints(self._t, record))
-        if self.rank == 0 and algorithm is not None:  # each distinct call once, not per step
-            call = ", ".join(f"{k}={v}" for k, v in (fields or {}).items())
-            key = (collective, call, algorithm)
+        if self.rank == 0 and algorithm is not None:  # each distinct call once, not per call
+            key = (collective, algorithm, repr(fields))
             if key not in self._printed:
                 self._printed.add(key)
+                call = ", ".join(f"{k}={v}" for k, v in (fields or {}).items())
                 print(f"ringcoll: {collective} #{self._progress.seq} ({call}) on {self.size} "
                       f"ranks -> {algorithm}", file=sys.stderr, flush=True)
 
