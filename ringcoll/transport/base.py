@@ -54,7 +54,7 @@ class Progress:
     Plain attribute writes: cheap enough for the hot path.
     """
 
-    __slots__ = ("seq", "current", "step", "at")
+    __slots__ = ("seq", "current", "step", "at")  # the watchdog watches (seq, step) move
 
     def __init__(self):
         self.seq = 0  # collectives started on this communicator, this one included

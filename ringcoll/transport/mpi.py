@@ -230,9 +230,10 @@ def _in_place(sendbuf, recvbuf):
 class _Watchdog:
     """Aborts the job when one collective has made no progress for `timeout` seconds.
 
-    It polls the transport's Progress record: the same collective sequence number still
-    running on two looks `timeout` apart means the rank is stuck (MPI gives no way to
-    interrupt the blocked call, and the other ranks are stuck behind it or already gone).
+    It polls the transport's Progress record: the same collective (sequence number) at the
+    same step on looks `timeout` apart means the rank is stuck (MPI gives no way to interrupt
+    the blocked call, and the other ranks are stuck behind it or already gone). A long
+    collective that keeps receiving messages keeps moving its step, so it is never cut off.
     """
 
     def __init__(self, transport, timeout):
@@ -252,9 +253,9 @@ class _Watchdog:
             if progress.current is None:
                 seen = None
                 continue
-            now = time.monotonic()
-            if progress.seq != seen:
-                seen, since = progress.seq, now
+            now, where = time.monotonic(), (progress.seq, progress.step)
+            if where != seen:
+                seen, since = where, now
             elif now - since >= self.timeout:
                 self._fire(now - since)
                 return
