@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .communicator import Communicator
+from .errors import InvalidArgumentError, InvalidTypeError
 
 
 def wrap(mpi_comm=None, **options):
@@ -28,7 +29,8 @@ def _buffer(spec, name):
         spec = spec[0]
     arr = np.asarray(spec)
     if arr.dtype == object:
-        raise TypeError(f"ringcoll.wrap: {name} must be a buffer (a NumPy array), not {type(spec)}")
+        raise InvalidTypeError(f"ringcoll.wrap: {name} must be a buffer (a NumPy array), "
+                               f"not {type(spec)}")
     return arr
 
 
@@ -67,8 +69,9 @@ class MPICompat:
         else:
             send = _flat(_buffer(sendbuf, "sendbuf"))
         if send.size != p * recv.size:
-            raise ValueError(f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} "
-                             f"elements; it must have size * len(recvbuf) = {p * recv.size}")
+            raise InvalidArgumentError(
+                f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} elements; it "
+                f"must have size * len(recvbuf) = {p * recv.size}")
         self.ringcoll.reduce_scatter(send.reshape(p, -1), op=op, out=recv.reshape(1, -1))
 
     def Allgather(self, sendbuf, recvbuf):
@@ -79,8 +82,9 @@ class MPICompat:
         else:
             send = _flat(_buffer(sendbuf, "sendbuf"))
         if recv.size != p * send.size:
-            raise ValueError(f"ringcoll.wrap Allgather: recvbuf has {recv.size} elements; it "
-                             f"must have size * len(sendbuf) = {p * send.size}")
+            raise InvalidArgumentError(
+                f"ringcoll.wrap Allgather: recvbuf has {recv.size} elements; it must have "
+                f"size * len(sendbuf) = {p * send.size}")
         self.ringcoll.allgather(send.reshape(1, -1), out=recv.reshape(p, -1))
 
     def Bcast(self, buf, root=0):
