@@ -139,9 +139,9 @@ class Communicator:
                 f"{len(self.nodes)} node(s), algorithm={self.options.algorithm!r}>")
 
     # -- running a collective: inline, or behind outstanding non-blocking ones --------------
-    def _run(self, fn, collective, algorithm, fields=None):
+    def _run(self, fn, collective, algorithm, fields=None, schedule=()):
         """Run fn() as one collective (see _execute), after any pending non-blocking ones."""
-        job = partial(self._execute, fn, collective, algorithm, fields)
+        job = partial(self._execute, fn, collective, algorithm, fields, schedule)
         if self._tail is not None:
             if not self._tail.done():
                 self._tail = self._executor.submit(job)  # keep call order: run after them
@@ -149,16 +149,17 @@ class Communicator:
             self._tail = None  # nothing pending: the replay fast path may run again
         return job()
 
-    def _execute(self, fn, collective, algorithm, fields):
+    def _execute(self, fn, collective, algorithm, fields, schedule=()):
         """fn() between progress.begin and .end (the watchdog and error messages read them).
 
         In debug mode all ranks first compare their calls (checks.exchange_fingerprints);
-        `fields` describes this rank's call. An error every rank raises alike (a failed
+        `fields` describes this rank's call; `schedule` lists the (peer, tag) of its bound
+        steps (see Progress). An error every rank raises alike (a failed
         check) simply propagates. Any other error means this rank stopped part-way while its
         peers may wait for it forever: the transport's fail() handles it (MPI: abort the job).
         """
         progress = self._progress
-        progress.begin(collective, algorithm)
+        progress.begin(collective, algorithm, schedule)
         try:
             if self.options.debug:
                 self._agree(collective, algorithm, fields)
@@ -316,19 +317,18 @@ class Communicator:
         if (plan is not None and plan.x is x and plan.out is out and plan.op is op
                 and plan.algorithm is algorithm and plan.dtype is x.dtype and self._tail is None):
             if plan.fields is not None:  # debug mode: the ranks still compare every call
-                return self._execute(partial(_run_steps, plan.steps, out), *plan.current,
-                                     plan.fields)
+                return self._execute(partial(_run_steps, plan.steps, out), *plan.current[:2],
+                                     plan.fields, plan.current[2])
             progress = self._progress  # the same call as last time: replay its checked steps
             progress.seq += 1  # progress.begin, inlined: this is the small-message hot path
-            progress.current, progress.step, progress.at = plan.current, 0, None
+            progress.current, progress.at = plan.current, None
             try:
                 for step in plan.steps:
                     step()
             except BaseException as exc:
                 self._t.fail(exc)  # MPI: print it and abort the job; threads: stop the others
                 raise
-            finally:
-                progress.end()
+            progress.current = None  # progress.end(), inlined; fail() needs it still set
             return out
         try:
             steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
@@ -336,9 +336,12 @@ class Communicator:
         except InvalidArgumentError as exc:
             self._invalid(exc, "allreduce")
             raise
+        schedule = [getattr(step, "at", None) for step in steps]
         if out is not None and isinstance(x, np.ndarray):
-            self._plan = _Plan(x, out, op, algorithm, name, steps, fields)
-        return self._run(partial(_run_steps, steps, result), "allreduce", name, fields)
+            self._plan = _Plan(x, out, op, algorithm, ("allreduce", name, schedule), steps,
+                               fields)
+        return self._run(partial(_run_steps, steps, result), "allreduce", name, fields,
+                         schedule)
 
     def iallreduce(self, x, op="sum", algorithm=None, out=None):
         """Non-blocking allreduce: returns a Request; req.wait() gives the result.
@@ -355,8 +358,9 @@ class Communicator:
         except InvalidArgumentError as exc:
             self._invalid(exc, "allreduce")
             raise
+        schedule = [getattr(step, "at", None) for step in steps]
         return self._submit(partial(self._execute, partial(_run_steps, steps, result),
-                                    "allreduce", name, fields))
+                                    "allreduce", name, fields, schedule))
 
     def _prepare_allreduce(self, x, op, algorithm, out, ctx):
         """(steps, algorithm, debug fields, result) of a checked allreduce call."""
@@ -806,9 +810,9 @@ class _Plan:
 
     __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps", "fields")
 
-    def __init__(self, x, out, op, algorithm, name, steps, fields):
+    def __init__(self, x, out, op, algorithm, current, steps, fields):
         self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
-        self.dtype, self.current, self.steps = x.dtype, ("allreduce", name), steps
+        self.dtype, self.current, self.steps = x.dtype, current, steps  # current: Progress
         self.fields = fields  # debug mode's description of the call, else None
 
 

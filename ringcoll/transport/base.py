@@ -48,9 +48,10 @@ def describe_tag(tag):
 class Progress:
     """What one rank is doing right now, for error messages and the MPI watchdog.
 
-    The Communicator sets `current` = (collective, algorithm) around each call and counts the
-    calls in `seq`; the transport notes in `at` the (peer, tag) of every receive it starts or
-    blocking send it makes, and counts them in `step`.
+    The Communicator sets `current` = (collective, algorithm, schedule) around each call and
+    counts the calls in `seq`; the transport notes in `at` the (peer, tag) of every receive it
+    starts or blocking send it makes. Unbound calls count themselves in `step`; a bound step
+    (bind_*) is found in `schedule`, the list of the bound steps' (peer, tag) in order.
     Plain attribute writes: cheap enough for the hot path.
     """
 
@@ -62,9 +63,9 @@ class Progress:
         self.step = 0
         self.at = None
 
-    def begin(self, collective, algorithm):
+    def begin(self, collective, algorithm, schedule=()):
         self.seq += 1
-        self.current = (collective, algorithm)
+        self.current = (collective, algorithm, schedule)
         self.step, self.at = 0, None
 
     def end(self):
@@ -74,7 +75,7 @@ class Progress:
         """'allreduce #7 (ring)': the collective as error messages name it."""
         if self.current is None:
             return f"after collective #{self.seq}"
-        collective, algorithm = self.current
+        collective, algorithm, _ = self.current
         return f"{collective} #{self.seq}" + (f" ({algorithm})" if algorithm else "")
 
     def waiting(self):
@@ -82,7 +83,9 @@ class Progress:
         if self.at is None:
             return "before its first message"
         peer, tag = self.at
-        return f"step {self.step}: rank {peer} ({describe_tag(tag)})"
+        schedule = self.current[2] if self.current is not None else ()
+        step = next((i + 1 for i, at in enumerate(schedule) if at is self.at), self.step)
+        return f"step {step}: rank {peer} ({describe_tag(tag)})"
 
 
 class Transport:

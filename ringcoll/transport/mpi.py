@@ -87,15 +87,17 @@ class MPITransport(Transport):
             raise self._short(status.Get_count(BYTE), recvbuf.nbytes, source, tag)
 
     # bound forms: mpi4py's methods with the arguments fixed, wrapped in a closure that notes
-    # progress and checks the received size (0.15-0.2 us a step over the bare call).
+    # progress and checks the received size (0.1-0.15 us a step over the bare call). Each
+    # carries its (peer, tag) as step.at: the communicator lists them in progress.current, so
+    # the watchdog can tell which step of a schedule is stuck without counting steps here.
     def bind_send(self, buf, peer, tag):
         call = partial(self.comm.Send, [buf, BYTE], peer, tag)
         progress, at = self.progress, (peer, tag)
 
         def step():
-            progress.step += 1
             progress.at = at
             call()
+        step.at = at
         return step
 
     def bind_recv(self, buf, peer, tag):
@@ -104,20 +106,34 @@ class MPITransport(Transport):
         return self._checked(call, buf.nbytes, peer, tag, status)
 
     def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        if dest == source and sendbuf.nbytes == recvbuf.nbytes:
+            # A pairwise exchange of equal sizes (recursive doubling, Rabenseifner): if the
+            # partner's message is shorter than ours, ours is longer than its buffer, so MPI
+            # fails its receive (ERR_TRUNCATE) and it aborts the job. Skipping the status
+            # check here saves 0.1 us of a 3 us small all-reduce.
+            call = partial(self.comm.Sendrecv, [sendbuf, BYTE], dest, tag,
+                           [recvbuf, BYTE], source, tag)
+            progress, at = self.progress, (source, tag)
+
+            def step():
+                progress.at = at
+                call()
+            step.at = at
+            return step
         status = MPI.Status()
         call = partial(self.comm.Sendrecv, [sendbuf, BYTE], dest, tag,
                        [recvbuf, BYTE], source, tag, status)
         return self._checked(call, recvbuf.nbytes, source, tag, status)
 
     def _checked(self, call, nbytes, peer, tag, status):
-        progress, at = self.progress, (peer, tag)
+        progress, at, count = self.progress, (peer, tag), status.Get_count  # count(): bytes
 
         def step():
-            progress.step += 1
             progress.at = at
             call()
-            if status.Get_count(BYTE) != nbytes:
-                raise self._short(status.Get_count(BYTE), nbytes, peer, tag)
+            if count() != nbytes:
+                raise self._short(count(), nbytes, peer, tag)
+        step.at = at
         return step
 
     def _short(self, got, nbytes, peer, tag):
@@ -253,7 +269,7 @@ class _Watchdog:
             if progress.current is None:
                 seen = None
                 continue
-            now, where = time.monotonic(), (progress.seq, progress.step)
+            now, where = time.monotonic(), (progress.seq, progress.step, id(progress.at))
             if where != seen:
                 seen, since = where, now
             elif now - since >= self.timeout:
