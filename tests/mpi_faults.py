@@ -68,4 +68,11 @@ class _nothing:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    try:
+        main(sys.argv[1])
+    except ringcoll.RingcollError as exc:
+        # One write per rank: a traceback is written in pieces, which mpiexec may interleave
+        # with another rank's, splitting the text the tests look for.
+        sys.stderr.write(f"{type(exc).__module__}.{type(exc).__name__}: {exc}\n")
+        sys.stderr.flush()
+        sys.exit(1)

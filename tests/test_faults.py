@@ -8,7 +8,7 @@ the job ended in bounded time. Two behaviours are checked:
   it cannot see (a rank that raised, exited or skipped) ends with the watchdog's
   CollectiveTimeoutError after RINGCOLL_TIMEOUT, naming the collective and the rank waited for;
 - with RINGCOLL_DEBUG=1, every rank raises the same error before any data moves (exit code 1,
-  every rank's traceback names it), except for faults outside a collective (raise, exit).
+  every rank prints it), except for faults outside a collective (raise, exit).
 """
 
 import pytest
