@@ -19,6 +19,7 @@ setup(
         "mpich": ["mpich"],
         "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis"],
         "bench": ["matplotlib"],
+        "examples": ["scikit-learn"],
         "cuda": ["cupy"],
     },
     license="MIT",
