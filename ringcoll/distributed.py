@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from .arrays import HALF_TYPES
 from .compression import Compressor
 from .errors import CollectiveMismatchError, InvalidArgumentError, RingcollError
 
@@ -97,9 +98,13 @@ class DistributedOptimizer:
         self.backward_passes_per_step = backward_passes_per_step
         params = optimizer.params
         for name, p in params.items():
-            if not (isinstance(p, np.ndarray) and p.dtype.kind == "f"):
-                raise InvalidArgumentError(f"{ctx}parameter {name!r} must be a float NumPy "
-                                           f"array, got {type(p).__name__}")
+            if not (isinstance(p, np.ndarray) and (p.dtype.kind == "f" or p.dtype in HALF_TYPES)):
+                got = f"dtype {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
+                raise InvalidArgumentError(f"{ctx}parameter {name!r} must be a floating-point "
+                                           f"NumPy array (float16/32/64, bfloat16), got {got}")
+        if op == "sum" and compression is not None:
+            raise InvalidArgumentError(f"{ctx}compression applies to op='avg' (it divides by "
+                                       "the process count before casting); drop one of them")
         self.buckets = _make_buckets(params, bucket_bytes)
         self._bucket_of = {name: b for b in self.buckets for name in b.names}
         self.grads = {}
@@ -201,10 +206,14 @@ class DistributedOptimizer:
             compute every gradient first); otherwise use grad_ready during the backward pass.
         """
         if grads is not None:
-            for name in (n for b in self.buckets for n in b.names):
-                if name not in grads:
-                    raise InvalidArgumentError(f"ringcoll rank {self.comm.rank}, step: no "
-                                               f"gradient for parameter {name!r}")
+            order = [n for b in self.buckets for n in b.names]
+            missing = [n for n in order if n not in grads]
+            unknown = [n for n in grads if n not in self._bucket_of]
+            if missing or unknown:  # checked before anything is handed over
+                raise InvalidArgumentError(
+                    f"ringcoll rank {self.comm.rank}, step: grads must have exactly the "
+                    f"optimizer's parameters; missing {missing}, unknown {unknown}")
+            for name in order:
                 self.grad_ready(name, grads[name])
         if not self._skip:
             self.synchronize()

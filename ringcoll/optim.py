@@ -286,7 +286,8 @@ class Optimizer:
                     np.copyto(old[k], v, casting="unsafe")  # keep the buffer, copy the values
                     new[k] = old[k]
                 else:
-                    new[k] = np.array(v, dtype=_compute_dtype(p.dtype), copy=True)
+                    new[k] = np.array(v, dtype=_compute_dtype(self.params[name].dtype),
+                                      copy=True)
             self.state[name] = new
 
     def _checked_param_state(self, name, p, st, where):
