@@ -1,4 +1,4 @@
-"""mpiexec -n 2 python bench/overlap.py [--layers 8] [--width 512] [--batch 256] [--steps 20]
+"""mpiexec -n 2 python bench/overlap.py [--compute sleep|matmul] [--layers 8] [--width 512]
 
 Does DistributedOptimizer hide the all-reduce behind the backward pass? A stack of square
 layers whose backward pass (one (batch x width)^T (batch x width) matmul per layer, the weight
@@ -14,6 +14,15 @@ gradients. Two modes, alternated round by round in one run:
 
 The optimizer's update (lr 0: the weights stay put, every step costs the same) runs after
 both, inside skip_synchronize(), and is timed as neither.
+
+--compute says what the backward pass is made of:
+- matmul: NumPy matmuls on the CPU. On a machine with one core per rank (this 2-core box at
+  -n 2) the all-reduce and the matmuls need the same core, so overlap can only trade one for
+  the other: the background thread's MPI exchange progresses only when both ranks' threads
+  happen to run at once (measured: a 1 MiB all-reduce that takes 0.4 ms alone stretches over
+  the whole 6-8 ms of matmuls). With a spare core per rank it overlaps.
+- sleep: each layer's backward takes --layer-ms of wall time without using the CPU, as a GPU
+  kernel does: what overlap is for. This isolates the mechanism from the core count.
 
 Prints, per step (median over rounds): backward compute, communication (serial), exposed
 communication (overlap) and their ratio. The target: exposed < 0.5 x communication; exit 3
@@ -39,12 +48,21 @@ def backward_pass(weights, acts, delta, ready):
             delta = delta @ weights[f"W{i}"].T
 
 
+def backward_sleeping(grads, layer_seconds, ready):
+    """The same hand-over, each layer's gradient 'computed' off the CPU (see the docstring)."""
+    for name in reversed(list(grads)):
+        time.sleep(layer_seconds)
+        ready(name, grads[name])
+
+
 def _store(grads, name, grad):
     grads[name][...] = grad
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--compute", choices=["sleep", "matmul"], default="sleep")
+    ap.add_argument("--layer-ms", type=float, default=0.6, help="sleep: ms per layer")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--batch", type=int, default=256)
@@ -72,6 +90,14 @@ def main(argv=None):
     acts = [data.standard_normal((args.batch, n)).astype(np.float32)
             for _ in range(args.layers)]
     delta = data.standard_normal((args.batch, n)).astype(np.float32)
+    fixed = {f"W{i}": data.standard_normal((n, n)).astype(np.float32)
+             for i in range(args.layers)}  # the gradients of --compute sleep
+
+    def backward(weights, ready):
+        if args.compute == "sleep":
+            backward_sleeping(fixed, args.layer_ms / 1e3, ready)
+        else:
+            backward_pass(weights, acts, delta, ready)
 
     for rnd in range(args.rounds + 1):  # round 0 warms up and is not counted
         for mode in ("serial", "overlap"):
@@ -81,10 +107,10 @@ def main(argv=None):
             for _ in range(args.steps):
                 t0 = time.perf_counter()
                 if mode == "overlap":
-                    backward_pass(weights, acts, delta, opt.grad_ready)
+                    backward(weights, opt.grad_ready)
                     t1 = time.perf_counter()
                 else:
-                    backward_pass(weights, acts, delta, partial(_store, opt.grads))
+                    backward(weights, partial(_store, opt.grads))
                     t1 = time.perf_counter()
                     for name in reversed(list(weights)):
                         opt.grad_ready(name)  # already in opt.grads: nothing copied here
@@ -108,8 +134,11 @@ def main(argv=None):
     if comm.rank == 0:
         grad_mib = args.layers * n * n * 4 / 2**20
         print(f"# mpiexec -n {comm.size} python bench/overlap.py {' '.join(sys.argv[1:])}")
+        what = (f"{args.layer_ms} ms of sleep" if args.compute == "sleep"
+                else f"matmuls, batch {args.batch}")
         print(f"# {args.layers} layers of {n}x{n} float32 ({grad_mib:.1f} MiB of gradients), "
-              f"batch {args.batch}, buckets of {args.bucket_bytes} B, {comm.size} ranks; "
+              f"backward: {what} per layer, buckets of {args.bucket_bytes} B, {comm.size} "
+              "ranks; "
               f"medians of {args.rounds} rounds x {args.steps} steps, slowest rank")
         print(f"backward compute  serial {1e3 * med['serial']['compute']:8.2f} ms   "
               f"overlap {1e3 * med['overlap']['compute']:8.2f} ms")
