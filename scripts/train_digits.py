@@ -17,12 +17,19 @@ Needs scikit-learn: pip install -e ".[examples]".
 """
 
 import argparse
+import os
 import sys
 import time
 
-import numpy as np
+# One BLAS thread per rank (before NumPy loads OpenBLAS): the ranks already fill the cores, and
+# OpenBLAS's spinning threads fight MPI's busy-polling ones. Measured on 2 cores at -n 2: 40 ms
+# per training step of the digits MLP without this, 0.5 ms with it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import ringcoll
+import numpy as np  # noqa: E402
+
+import ringcoll  # noqa: E402
 
 
 def load_data(seed=0, test_fraction=0.2):
@@ -117,6 +124,7 @@ def main(argv=None):
     rng = np.random.default_rng(args.seed + 1)  # the same order on every rank
     show = rank == 0 and not args.quiet
     history = []
+    start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         order = rng.permutation(len(x_train))
         t_compute = t_exposed = 0.0
@@ -147,15 +155,21 @@ def main(argv=None):
         # the epoch's mean loss over all ranks' shares, and the test accuracy (same on all)
         loss = float(comm.allreduce(np.array([loss_sum / steps]), op="sum")[0])
         acc = accuracy(params, x_test, y_test)
-        history.append((epoch, loss, acc))
+        elapsed = time.perf_counter() - start
+        history.append((epoch, loss, acc, elapsed))
         if show:
-            print(f"\repoch {epoch:3d}  loss {loss:.4f}  test accuracy {100 * acc:5.1f}%  "
+            print(f"\repoch {epoch:3d}  {elapsed:5.1f} s  loss {loss:.4f}  "
+                  f"test accuracy {100 * acc:5.1f}%  "
                   f"per step: compute {1e3 * t_compute / steps:6.2f} ms, "
                   f"{'communication' if args.no_overlap else 'exposed communication'} "
                   f"{1e3 * t_exposed / steps:6.2f} ms", file=sys.stderr, flush=True)
     if rank == 0:
         kb = opt.bytes_sent / 1024
-        print(f"final test accuracy {100 * history[-1][2]:.2f}% after {args.epochs} epochs on "
+        first = next((e for e, _, a, _ in history if a >= 0.95), None)
+        reached = (f"95% first reached at epoch {first} ({history[first - 1][3]:.1f} s); "
+                   if first else "95% not reached; ")
+        print(f"{reached}final test accuracy {100 * history[-1][2]:.2f}% after {args.epochs} "
+              f"epochs ({history[-1][3]:.1f} s) on "
               f"{p} rank(s), global batch {batch}, compression {args.compression}; this rank "
               f"sent {kb:.0f} KiB of gradients", flush=True)
     return history
