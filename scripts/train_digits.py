@@ -171,7 +171,7 @@ def main(argv=None):
         print(f"{reached}final test accuracy {100 * history[-1][2]:.2f}% after {args.epochs} "
               f"epochs ({history[-1][3]:.1f} s) on "
               f"{p} rank(s), global batch {batch}, compression {args.compression}; this rank "
-              f"sent {kb:.0f} KiB of gradients", flush=True)
+              f"sent {kb:.0f} KiB of gradients", file=sys.stderr, flush=True)  # after the bar
     return history
 
 
