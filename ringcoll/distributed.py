@@ -32,6 +32,7 @@ you clip opt.grads, then `with opt.skip_synchronize(): opt.step()`.
 """
 
 import json
+import time
 import zlib
 from contextlib import contextmanager
 
@@ -78,6 +79,9 @@ class DistributedOptimizer:
     Attributes:
         grads: dict name -> the parameter's gradient, a view into its bucket.
         bytes_sent: bytes this rank has handed to the wire so far (after compression).
+        comm_seconds: the time this rank's bucket all-reduces have run so far, overlapped
+            or not (the background thread's busy time, plus blocking exchanges such as
+            top-k's all-gather): compare it with the time step() waits.
     """
 
     def __init__(self, optimizer, comm=None, op="avg", bucket_bytes=DEFAULT_BUCKET_BYTES,
@@ -117,6 +121,7 @@ class DistributedOptimizer:
         self.grads = {name: self.grads[name] for name in params}  # registration order
         _check_same_layout(comm, params, ctx)
         self.bytes_sent = 0
+        self.comm_seconds = 0.0
         self._passes = 0  # backward passes completed since the last step
         self._next = 0  # the next bucket to start (they start in order)
         self._no_sync = self._skip = False
@@ -193,10 +198,14 @@ class DistributedOptimizer:
             self._next += 1
         for b in self.buckets:
             if b.handle is not None:
+                start = time.perf_counter()
                 if self.op == "sum":
                     b.handle.wait()
                 else:
                     self.compression.finish(b.handle)
+                waited = time.perf_counter() - start
+                request = _request_in(b.handle)
+                self.comm_seconds += request.seconds if request is not None else waited
                 b.handle = None
 
     def step(self, grads=None):
@@ -243,6 +252,12 @@ class DistributedOptimizer:
             yield self
         finally:
             self._no_sync = False
+
+
+def _request_in(handle):
+    """The background Request inside a compressor's handle, if it has one."""
+    items = handle if isinstance(handle, tuple) else (handle,)
+    return next((h for h in items if hasattr(h, "seconds") and hasattr(h, "wait")), None)
 
 
 def _make_buckets(params, bucket_bytes):
