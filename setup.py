@@ -17,8 +17,9 @@ setup(
     install_requires=["numpy>=1.23", "mpi4py>=4"],
     extras_require={
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis"],
+        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis", "scikit-learn"],
         "bench": ["matplotlib"],
+        "examples": ["scikit-learn"],
         "cuda": ["cupy"],
     },
     license="MIT",

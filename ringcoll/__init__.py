@@ -7,8 +7,12 @@
 See README.md for the algorithms, their costs and the benchmarks.
 """
 
+from . import optim
 from .algorithms import ALLREDUCE_NAMES, CostModel
+from .checkpoint import load_checkpoint, save_checkpoint
 from .communicator import Communicator, Request, run_threads
+from .compression import Compression, Compressor
+from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .errors import (ABORT_CODE, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
@@ -31,7 +35,10 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "CommunicatorClosedError",
+    "Compression",
+    "Compressor",
     "CostModel",
+    "DistributedOptimizer",
     "InvalidArgumentError",
     "InvalidTypeError",
     "PeerFailedError",
@@ -40,6 +47,11 @@ __all__ = [
     "Tuning",
     "TuningFileError",
     "__version__",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "load_checkpoint",
+    "optim",
     "run_threads",
+    "save_checkpoint",
     "wrap",
 ]

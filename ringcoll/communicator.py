@@ -6,6 +6,7 @@ algorithm and runs it. Algorithms never see any of this: they get a transport an
 """
 
 import sys
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -27,10 +28,15 @@ from .tuning import resolve as resolve_tuning
 
 
 class Request:
-    """A non-blocking collective in flight: wait() returns its result, test() polls."""
+    """A non-blocking collective in flight: wait() returns its result, test() polls.
 
-    def __init__(self, future):
+    Once it has finished, `seconds` is how long it ran on the background thread (not counting
+    its wait in the queue): the communication time that overlap can hide.
+    """
+
+    def __init__(self, future=None):
         self._future = future
+        self.seconds = None
 
     def wait(self):
         """Block until the collective has finished and return its result (or raise its error)."""
@@ -204,8 +210,17 @@ class Communicator:
                     "background thread and need MPI_THREAD_MULTIPLE; initialise MPI with it "
                     "(mpi4py's default) or use the blocking allreduce")
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-progress")
-        self._tail = self._executor.submit(fn)
-        return Request(self._tail)
+        request = Request()
+
+        def timed():
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                request.seconds = time.perf_counter() - start
+
+        self._tail = request._future = self._executor.submit(timed)
+        return request
 
     # -- argument checks ---------------------------------------------------------------------
     def _input(self, x, ctx):

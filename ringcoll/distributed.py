@@ -1,0 +1,363 @@
+"""Data-parallel training: average gradients over ranks, overlapped with the backward pass.
+
+    comm = ringcoll.Communicator()
+    opt = ringcoll.DistributedOptimizer(ringcoll.optim.SGD(params, lr=0.1), comm)
+    ringcoll.broadcast_parameters(params, comm=comm)      # every replica starts identical
+    for batch in my_shard_of_the_data:
+        for name, grad in backward(params, batch):        # last layer first
+            opt.grad_ready(name, grad)                     # full buckets start averaging now
+        opt.step()                                         # wait for the rest, then update
+
+Buckets (gradient fusion). Parameters are grouped, in REVERSE registration order (back
+propagation produces the last layer's gradient first), into flat buffers of at most
+`bucket_bytes` per dtype, allocated once. `opt.grads[name]` is a view into its bucket, so a
+backward pass can write a gradient straight into it (np.matmul(..., out=opt.grads["W"])) and
+nothing is copied (PyTorch DDP's gradient_as_bucket_view).
+
+Overlap. When every gradient of a bucket has been handed over, the bucket's all-reduce starts
+on the communicator's background thread (iallreduce) while the caller computes the next
+layer's gradient: MPI calls and large NumPy operations release the GIL, so both progress.
+Buckets always start in bucket order (bucket k waits for k - 1 to start), whatever order the
+gradients arrive in, so every rank issues the same collectives in the same order; debug mode
+(RINGCOLL_DEBUG=1) checks each one, and the bucket layouts are compared once, at
+construction, on every rank.
+
+Accumulation. With backward_passes_per_step=k, gradients of k backward passes add up in the
+buckets (grad_ready(name, grad) copies on the first pass and adds on the others) and only the
+k-th pass starts the all-reduces; `with opt.no_sync():` marks passes that must not start them
+(PyTorch DDP), the next pass outside it does.
+
+Gradient clipping (Horovod's pattern): opt.synchronize() waits for the averaged gradients,
+you clip opt.grads, then `with opt.skip_synchronize(): opt.step()`.
+"""
+
+import json
+import time
+import zlib
+from contextlib import contextmanager
+
+import numpy as np
+
+from .arrays import HALF_TYPES
+from .compression import Compressor
+from .errors import CollectiveMismatchError, InvalidArgumentError, RingcollError
+
+DEFAULT_BUCKET_BYTES = 25 << 20  # PyTorch DDP's default bucket_cap_mb
+
+
+class _Bucket:
+    """One flat gradient buffer: the parameters it holds and the state of its all-reduce."""
+
+    __slots__ = ("index", "buf", "names", "waiting", "handle", "state")
+
+    def __init__(self, index, dtype, members):
+        self.index = index
+        self.buf = np.zeros(sum(size for _, size, _ in members), dtype)
+        self.names = [name for name, _, _ in members]
+        self.waiting = set()  # names whose gradient this pass has not handed over yet
+        self.handle = None  # the compressor's handle while the all-reduce runs
+        self.state = {}  # the compressor's per-bucket buffers (payload, residual)
+
+
+class DistributedOptimizer:
+    """Wrap an optimizer so that step() applies gradients averaged over all ranks.
+
+    Args:
+        optimizer: a ringcoll.optim optimizer (anything with .params, a dict name -> array,
+            and .step(grads)); its parameters must be the same names, shapes and dtypes on
+            every rank (checked when constructed).
+        comm: the ringcoll.Communicator to average over (default: a new one over
+            MPI.COMM_WORLD).
+        op: "avg" (default) or "sum".
+        bucket_bytes: the largest bucket, in bytes (default 25 MiB, as PyTorch DDP); a
+            parameter larger than that gets a bucket of its own.
+        compression: a ringcoll.compression.Compressor (Compression.fp16, .bf16,
+            .topk(density)); default none.
+        backward_passes_per_step: backward passes whose gradients add up before one
+            all-reduce and one update.
+
+    Attributes:
+        grads: dict name -> the parameter's gradient, a view into its bucket.
+        bytes_sent: bytes this rank has handed to the wire so far (after compression).
+        comm_seconds: the time this rank's bucket all-reduces have run so far, overlapped
+            or not (the background thread's busy time, plus blocking exchanges such as
+            top-k's all-gather): compare it with the time step() waits.
+    """
+
+    def __init__(self, optimizer, comm=None, op="avg", bucket_bytes=DEFAULT_BUCKET_BYTES,
+                 compression=None, backward_passes_per_step=1):
+        if comm is None:
+            from .communicator import Communicator
+
+            comm = Communicator()
+        self.optimizer, self.comm = optimizer, comm
+        ctx = f"ringcoll rank {comm.rank}, DistributedOptimizer: "
+        if op not in ("avg", "sum"):
+            raise InvalidArgumentError(f"{ctx}op must be 'avg' or 'sum', got {op!r}")
+        if bucket_bytes < 1 or backward_passes_per_step < 1:
+            raise InvalidArgumentError(f"{ctx}bucket_bytes and backward_passes_per_step must be "
+                                       ">= 1")
+        self.op = op
+        self.compression = compression or Compressor()
+        self.backward_passes_per_step = backward_passes_per_step
+        params = optimizer.params
+        for name, p in params.items():
+            if not (isinstance(p, np.ndarray) and (p.dtype.kind == "f" or p.dtype in HALF_TYPES)):
+                got = f"dtype {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
+                raise InvalidArgumentError(f"{ctx}parameter {name!r} must be a floating-point "
+                                           f"NumPy array (float16/32/64, bfloat16), got {got}")
+        if op == "sum" and compression is not None:
+            raise InvalidArgumentError(f"{ctx}compression applies to op='avg' (it divides by "
+                                       "the process count before casting); drop one of them")
+        self.buckets = _make_buckets(params, bucket_bytes)
+        self._bucket_of = {name: b for b in self.buckets for name in b.names}
+        self.grads = {}
+        for b in self.buckets:
+            offset = 0
+            for name in b.names:
+                p = params[name]
+                self.grads[name] = b.buf[offset:offset + p.size].reshape(p.shape)
+                offset += p.size
+        self.grads = {name: self.grads[name] for name in params}  # registration order
+        _check_same_layout(comm, params, ctx)
+        self.bytes_sent = 0
+        self.comm_seconds = 0.0
+        self._passes = 0  # backward passes completed since the last step
+        self._next = 0  # the next bucket to start (they start in order)
+        self._no_sync = self._skip = False
+        self._reset_pass()
+
+    # -- handing over gradients --------------------------------------------------------------
+    def grad_ready(self, name, grad=None):
+        """The gradient of parameter `name` for this backward pass is complete.
+
+        grad: the gradient, copied into its bucket (added, on the 2nd..k-th accumulation
+            pass); omit it if you wrote (or added) it into opt.grads[name] yourself.
+        When this completes a bucket on the pass that synchronises, the bucket's all-reduce
+        starts in the background (after all earlier buckets).
+        """
+        bucket = self._bucket_of.get(name)
+        if bucket is None:
+            raise InvalidArgumentError(f"ringcoll rank {self.comm.rank}, grad_ready: unknown "
+                                       f"parameter {name!r}; the optimizer has "
+                                       f"{list(self.grads)}")
+        if name not in bucket.waiting:
+            raise RingcollError(f"ringcoll rank {self.comm.rank}, grad_ready: the gradient of "
+                                f"{name!r} was already handed over in this backward pass")
+        if grad is not None:
+            view = self.grads[name]
+            if self._passes == 0:
+                view[...] = grad
+            else:
+                view += grad
+        bucket.waiting.discard(name)
+        self._waiting -= 1
+        if self._syncs_this_pass():
+            self._start_ready_buckets()
+        if self._waiting == 0:  # the pass is complete
+            self._passes += 1
+            self._reset_pass()
+
+    def _syncs_this_pass(self):
+        return not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
+
+    def _reset_pass(self):
+        for b in self.buckets:
+            b.waiting = set(b.names)
+        self._waiting = len(self.grads)
+
+    def _start_ready_buckets(self):
+        while self._next < len(self.buckets) and not self.buckets[self._next].waiting:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket):
+        if self.op == "sum":
+            bucket.handle = self.comm.iallreduce(bucket.buf, op="sum", out=bucket.buf)
+            self.bytes_sent += bucket.buf.nbytes
+        else:
+            bucket.handle = self.compression.start(self.comm, bucket.buf, bucket.state)
+            self.bytes_sent += self.compression.wire_bytes(bucket.buf)
+
+    # -- synchronising and stepping ------------------------------------------------------------
+    def synchronize(self):
+        """Wait until opt.grads hold the gradients averaged over all ranks (starting any
+        bucket not started yet). Call it before clipping gradients; then step() inside
+        skip_synchronize()."""
+        if self._waiting != len(self.grads):
+            missing = [n for b in self.buckets for n in b.names if n in b.waiting]
+            raise RingcollError(f"ringcoll rank {self.comm.rank}, synchronize: the backward pass "
+                                f"is incomplete; hand over the gradients of {missing} first")
+        if self._passes < self.backward_passes_per_step:
+            raise RingcollError(
+                f"ringcoll rank {self.comm.rank}, synchronize: {self._passes} of "
+                f"{self.backward_passes_per_step} backward passes done "
+                "(backward_passes_per_step); run the others first")
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+            self._next += 1
+        for b in self.buckets:
+            if b.handle is not None:
+                start = time.perf_counter()
+                if self.op == "sum":
+                    b.handle.wait()
+                else:
+                    self.compression.finish(b.handle)
+                waited = time.perf_counter() - start
+                request = _request_in(b.handle)
+                self.comm_seconds += request.seconds if request is not None else waited
+                b.handle = None
+
+    def step(self, grads=None):
+        """Average the gradients over all ranks and apply the optimizer's update.
+
+        grads: optional dict name -> gradient, handed over in bucket order now (for loops that
+            compute every gradient first); otherwise use grad_ready during the backward pass.
+        """
+        if grads is not None:
+            order = [n for b in self.buckets for n in b.names]
+            missing = [n for n in order if n not in grads]
+            unknown = [n for n in grads if n not in self._bucket_of]
+            if missing or unknown:  # checked before anything is handed over
+                raise InvalidArgumentError(
+                    f"ringcoll rank {self.comm.rank}, step: grads must have exactly the "
+                    f"optimizer's parameters; missing {missing}, unknown {unknown}")
+            for name in order:
+                self.grad_ready(name, grads[name])
+        if not self._skip:
+            self.synchronize()
+        self.optimizer.step(self.grads)
+        self._passes = self._next = 0
+
+    def zero_grad(self):
+        """Set every gradient to zero (for loops that add into opt.grads themselves)."""
+        for b in self.buckets:
+            b.buf[...] = 0
+
+    @contextmanager
+    def skip_synchronize(self):
+        """step() inside this block applies opt.grads as they are (after synchronize())."""
+        self._skip = True
+        try:
+            yield self
+        finally:
+            self._skip = False
+
+    @contextmanager
+    def no_sync(self):
+        """Backward passes inside this block only accumulate; the next one outside it
+        starts the all-reduces (PyTorch DDP's no_sync)."""
+        self._no_sync = True
+        try:
+            yield self
+        finally:
+            self._no_sync = False
+
+
+def _request_in(handle):
+    """The background Request inside a compressor's handle, if it has one."""
+    items = handle if isinstance(handle, tuple) else (handle,)
+    return next((h for h in items if hasattr(h, "seconds") and hasattr(h, "wait")), None)
+
+
+def _make_buckets(params, bucket_bytes):
+    """Buckets in reverse registration order, one dtype each, at most bucket_bytes each."""
+    open_members, buckets = {}, []
+    for name in reversed(list(params)):
+        p = params[name]
+        members = open_members.setdefault(p.dtype, [])
+        used = sum(size for _, size, _ in members) * p.itemsize
+        if members and used + p.nbytes > bucket_bytes:
+            buckets.append(_Bucket(len(buckets), p.dtype, members))
+            members = open_members[p.dtype] = []
+        members.append((name, p.size, p.shape))
+    for dtype, members in open_members.items():
+        if members:
+            buckets.append(_Bucket(len(buckets), dtype, members))
+    return buckets
+
+
+def _layout(params):
+    return [[name, list(p.shape), p.dtype.name] for name, p in params.items()]
+
+
+def _check_same_layout(comm, params, ctx):
+    """Every rank must register the same parameters: compare a digest of names, shapes and
+    dtypes once (8 bytes per rank), so buckets line up and nothing hangs later."""
+    digest = zlib.crc32(json.dumps(_layout(params)).encode())
+    everyone = comm.allgather(np.array([digest], dtype=np.int64))
+    differ = [r for r, d in enumerate(everyone.tolist()) if d != digest]
+    if differ:
+        raise CollectiveMismatchError(
+            f"{ctx}rank(s) {differ} registered other parameters (names, shapes or dtypes) than "
+            f"this rank ({len(params)} parameters); build the same model on every rank")
+
+
+def broadcast_parameters(params, root=0, comm=None):
+    """Copy root's parameters into every rank's, in place (so all replicas start identical).
+
+    params: dict name -> array, the same names, shapes and dtypes on every rank (checked).
+    """
+    comm = _comm(comm)
+    _check_same_layout(comm, params, f"ringcoll rank {comm.rank}, broadcast_parameters: ")
+    for p in params.values():
+        comm.broadcast(p, root=root)
+
+
+def broadcast_optimizer_state(optimizer, root=0, comm=None):
+    """Copy root's optimizer state (momentum buffers, step counts, hyper-parameters) into
+    every rank's optimizer, also before the first step when the others have no state yet."""
+    comm = _comm(comm)
+    state = optimizer.state_dict() if comm.rank == root else None
+    if comm.rank == root:
+        meta, arrays = _split_state(state)
+    else:
+        meta, arrays = None, None
+    meta = json.loads(broadcast_bytes(comm, json.dumps(meta).encode() if meta else None, root))
+    if comm.rank != root:
+        arrays = [np.empty(shape, dtype) for shape, dtype in meta["arrays"]]
+    for a in arrays:
+        comm.broadcast(a, root=root)
+    if comm.rank != root:
+        optimizer.load_state_dict(_join_state(meta, arrays))
+
+
+def _split_state(state):
+    """A state_dict as (JSON-able metadata, list of arrays) for broadcasting or saving."""
+    arrays, entries = [], {}
+    for name, slots in state["state"].items():
+        entries[name] = {}
+        for key, value in slots.items():
+            if isinstance(value, np.ndarray):
+                entries[name][key] = {"array": len(arrays)}
+                arrays.append(np.ascontiguousarray(value))
+            else:
+                entries[name][key] = {"value": value}
+    meta = {"type": state["type"], "hyper": state["hyper"], "state": entries,
+            "arrays": [[list(a.shape), a.dtype.name] for a in arrays]}
+    return meta, arrays
+
+
+def _join_state(meta, arrays):
+    state = {name: {key: arrays[v["array"]] if "array" in v else v["value"]
+                    for key, v in slots.items()}
+             for name, slots in meta["state"].items()}
+    return {"type": meta["type"], "hyper": meta["hyper"], "state": state}
+
+
+def broadcast_bytes(comm, data, root=0):
+    """root's bytes on every rank (data is ignored elsewhere)."""
+    size = np.array([len(data) if comm.rank == root else 0], dtype=np.int64)
+    comm.broadcast(size, root=root)
+    buf = (np.frombuffer(data, dtype=np.uint8).copy() if comm.rank == root
+           else np.empty(int(size[0]), dtype=np.uint8))
+    comm.broadcast(buf, root=root)
+    return buf.tobytes()
+
+
+def _comm(comm):
+    if comm is None:
+        from .communicator import Communicator
+
+        comm = Communicator()
+    return comm
