@@ -10,6 +10,7 @@ at once instead of hanging; a wait longer than `timeout` raises CollectiveTimeou
 """
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -163,6 +164,17 @@ class ThreadTransport(Transport):
 
     def node_ids(self):
         return [0] * self.size
+
+    @staticmethod
+    def pause():
+        """Let the other thread ranks run: a busy wait over this transport (the staging's)
+        calls it between polls, or it would hold the GIL for whole switch intervals."""
+        time.sleep(0)
+
+    def cuda_support(self):
+        """Threads pass arrays by reference: a CuPy array is copied on the device (with CuPy's
+        own copies, on the current stream), so no staging is needed."""
+        return True, "the thread transport copies device arrays itself"
 
     def close(self):
         pass
