@@ -101,16 +101,7 @@ def _random_values(rng, dtype, n):
     return x.astype(dtype)
 
 
-def _same(got, want):
-    """Bitwise equal, except that a NaN only has to meet a NaN (GPU arithmetic returns a
-    canonical NaN, the CPU keeps payloads)."""
-    if got.dtype.kind in "iu":
-        return np.array_equal(got, want)
-    if got.dtype.kind == "c":  # compare the real and imaginary parts as floats
-        got, want = got.view(got.real.dtype), want.view(want.real.dtype)
-    size = got.dtype.itemsize
-    nan = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
-    return bool(np.all((got.view(f"u{size}") == want.view(f"u{size}")) | nan))
+_same = O.same_bits
 
 
 @pytest.fixture(autouse=True)
