@@ -11,7 +11,8 @@
 - Placement errors, results on x's device with x's dtype, debug mode's path line, and a
   non-blocking all-reduce on a user stream.
 
-Run it on a GPU machine with scripts/gpu_check.sh (which also installs what is missing).
+Run it on a GPU machine with scripts/gpu_check.sh (which also installs what is missing, and
+sets RINGCOLL_REQUIRE_GPU=1: then a missing GPU fails the tests instead of skipping them).
 """
 
 import json
@@ -47,7 +48,13 @@ def _gpu():
 
 
 cp, WHY = _gpu()
-pytestmark = pytest.mark.skipif(cp is None, reason=WHY or "")
+#: scripts/gpu_check.sh sets it: there, a missing GPU is a failure, not a skip
+REQUIRED = os.environ.get("RINGCOLL_REQUIRE_GPU") == "1"
+pytestmark = pytest.mark.skipif(cp is None and not REQUIRED, reason=WHY or "")
+
+
+def test_a_gpu_is_there():
+    assert cp is not None, f"RINGCOLL_REQUIRE_GPU=1 but {WHY}"
 BF16 = cp is not None and cupy_bfloat16_ok(cp)
 DTYPES = [d for d in O.ALL_DTYPES if d != O.BFLOAT16 or BF16]
 TIMEOUT = 120
