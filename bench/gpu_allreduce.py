@@ -142,21 +142,19 @@ def _main(args):
     cupy, cupyx, device, own_gpu = gpu()
     dtype = resolve_dtype(args.dtype)
     comm = ringcoll.Communicator()
-    probe = cupy.zeros(1, dtype=cupy.float32)
-    comm.allreduce(probe)
-    side = comm._devices[device]
+    path, why = comm.device_path(cupy.zeros(1, dtype=cupy.float32))
     chunks = [parse_size(c) for c in args.staging_bytes.split(",") if c.strip()]
     forced = {c: ringcoll.Communicator(cuda_aware=False, staging_bytes=c) for c in chunks}
     algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
     nccl, nccl_why = start_nccl(cupy, own_gpu, dtype)
     env = environment(comm, args, None)
     env.update(cupy_version=cupy.__version__, gpu=gpu_name(cupy, device), device=device,
-               path=side.path, path_why=side.why_path, staging_bytes=comm.options.staging_bytes)
+               path=path, path_why=why, staging_bytes=comm.options.staging_bytes)
     say("# ringcoll bench: all-reduce on GPU buffers (CuPy)")
     say(f"# {env['command']}")
     say(f"# {P} rank(s); GPU {env['gpu']} (rank 0 on device {device}); cupy {cupy.__version__};"
         f" {env['mpi_library_version'].splitlines()[0]}")
-    say(f"# device path: {side.path} ({side.why_path}); staging chunk "
+    say(f"# device path: {path} ({why}); staging chunk "
         f"{comm.options.staging_bytes} B" + (f"; forced staged chunks {chunks}" if chunks else ""))
     say(f"# nccl: {nccl_why}")
     say("# busbw = V / time, V = 2(p-1)/p * size: bytes each rank sends (and receives); copy "
@@ -258,7 +256,7 @@ def build_rows(cupy, cupyx, comm, forced, algorithms, nccl, dtype, count, args):
         row.wrong = WORLD.allreduce(count_wrong(cupy.asnumpy(y), expect, case), op=MPI.SUM)
         return row
 
-    path = comm._devices[cupy.cuda.runtime.getDevice()].path
+    path = comm.device_path(cupy.zeros(1))[0]
     for a in algorithms:
         rows.append(device_row(f"ringcoll {path} {a}", comm, a))
     for chunk, c in forced.items():

@@ -238,8 +238,7 @@ class CudaReduction:
         device = cupy.cuda.runtime.getDevice()
         fn = self._functions.get((device, flavour))
         if fn is None:
-            module = cupy.RawModule(code=source([(self.op, self.key)]),
-                                    options=("--std=c++11",))
+            module = cupy.RawModule(code=source([(self.op, self.key)]))
             for name_flavour, name in kernel_names(self.op, self.key).items():
                 self._functions[(device, name_flavour)] = module.get_function(name)
             fn = self._functions[(device, flavour)]

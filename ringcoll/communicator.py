@@ -573,6 +573,21 @@ class Communicator:
                 nbytes, self.size, self.nodes)
         return name
 
+    def device_path(self, x):
+        """(path, why) for CuPy array x's GPU: "cuda-aware" (device buffers go to MPI as they
+        are) or "staged" (through pinned host buffers), and what decided it
+        (RINGCOLL_CUDA_AWARE, or the MPI library's answer). Local: no communication.
+
+        Example::
+
+            comm.device_path(cupy.zeros(1))  # ('staged', 'MPIX_Query_cuda_support() returned 0')
+        """
+        if not is_device(x):
+            raise InvalidTypeError(f"{where(self.rank, 'device_path')}x must be a CuPy array, "
+                                   f"got {type(x).__name__}")
+        side = self._device_side(x, where(self.rank, "device_path"))
+        return side.path, side.why_path
+
     def _pick_inner(self, nbytes):
         """The cross-node algorithm of hierarchical, for a shard of nbytes / local size."""
         key = ("inner", nbytes)

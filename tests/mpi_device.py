@@ -59,10 +59,10 @@ def cupy_setup(args):
     comm = ringcoll.Communicator(local_size=2, staging_bytes=args.chunk)
     aware, why = comm._t.cuda_support()
     probe = cupy.zeros(1, dtype=cupy.float32)
-    comm.allreduce(probe)  # makes the device side: which path was taken, and why
+    path, why_path = comm.device_path(probe)
     side = comm._devices[probe.device.id]
     dtypes = [d for d in O.ALL_DTYPES if d != O.BFLOAT16 or cupy_bfloat16_ok(cupy)]
-    info = {"cuda_support": [aware, why], "path": side.path, "why": side.why_path,
+    info = {"cuda_support": [aware, why], "path": path, "why": why_path,
             "device": f"cupy {cupy.__version__}, GPU {probe.device.id} of {gpus}",
             "bfloat16": O.BFLOAT16 in dtypes}
     pool = getattr(side.t, "pool", None)

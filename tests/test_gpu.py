@@ -186,6 +186,16 @@ def test_mixing_host_and_device_is_refused_with_the_fix():
     assert all(ringcoll.run_threads(2, fn, timeout=TIMEOUT))
 
 
+@pytest.mark.parametrize("aware", [None, True, False])
+def test_device_path(aware):
+    def fn(comm):
+        return comm.device_path(cp.zeros(1))
+
+    path, why = ringcoll.run_threads(1, fn, timeout=TIMEOUT, cuda_aware=aware)[0]
+    assert path == ("staged" if aware is False else "cuda-aware")  # threads copy device arrays
+    assert ("forced" in why) == (aware is not None), why
+
+
 @pytest.mark.parametrize("aware", [True, False])
 def test_debug_mode_says_which_path(aware, capfd):
     ringcoll.run_threads(2, lambda comm: comm.allreduce(cp.ones(4)), timeout=TIMEOUT, debug=True,

@@ -309,6 +309,8 @@ def test_a_cupy_out_for_a_numpy_x_is_refused_with_the_fix(monkeypatch):
             comm.allreduce(np.ones(3), out=cupy.ndarray())
         with pytest.raises(InvalidTypeError, match="out must be a NumPy array"):
             comm.reduce_scatter(np.ones(3), out=[1.0])
+        with pytest.raises(InvalidTypeError, match="device_path: x must be a CuPy array"):
+            comm.device_path(np.ones(3))
         return True
 
     assert ringcoll.run_threads(2, fn, timeout=TIMEOUT) == [True, True]

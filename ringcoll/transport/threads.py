@@ -15,6 +15,7 @@ from collections import deque
 
 import numpy as np
 
+from ..arrays import array_module, is_device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
 from .base import Progress, Transport, describe_tag
 
@@ -81,7 +82,9 @@ class ThreadTransport(Transport):
                     world.cond.notify_all()
                     break
             else:
-                world.unexpected[peer].append((self.rank, tag, data.copy()))
+                copy = data.copy()
+                _settle(copy)
+                world.unexpected[peer].append((self.rank, tag, copy))
         return _Request()
 
     def irecv(self, buf, peer, tag):
@@ -191,7 +194,15 @@ def _deliver(req, data, src, dst, tag):
         )
     else:
         dest[...] = data
+        _settle(dest)
     req.done = True
+
+
+def _settle(buf):
+    """A copy of CuPy arrays runs on the copying thread's current stream, which the other
+    thread rank does not wait for: finish it before that rank may use the bytes."""
+    if type(buf) is not np.ndarray and is_device(buf):
+        array_module(buf).cuda.get_current_stream().synchronize()
 
 
 def run(size, fn, timeout=DEFAULT_TIMEOUT):
