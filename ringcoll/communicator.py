@@ -451,8 +451,10 @@ class Communicator:
         if out is not None and (isinstance(x, np.ndarray) or side.device is not None):
             self._plan = _Plan(x, out, op, algorithm, ("allreduce", name, schedule), steps,
                                fields)
-        return self._run(side.on_stream(partial(_run_steps, steps, result)), "allreduce", name,
-                         fields, schedule)
+        run = partial(_run_steps, steps, result)
+        if side.device is not None:  # (a NumPy call skips even the method call)
+            run = side.on_stream(run)
+        return self._run(run, "allreduce", name, fields, schedule)
 
     def iallreduce(self, x, op="sum", algorithm=None, out=None):
         """Non-blocking allreduce: returns a Request; req.wait() gives the result.
@@ -516,7 +518,7 @@ class Communicator:
         Rabenseifner and Bruck are fully unrolled; the others are one step). The ring's last
         reduction step also divides for 'avg' (one pass over n/p, not a later one over n)."""
         t, ws = side.t, side.ws
-        fused = name == "ring" and op.fuses_finish(dst.dtype, self.size)
+        fused = name == "ring" and op.name == "avg" and op.fuses_finish(dst.dtype, self.size)
         steps = []
         if name in ("ring", "hierarchical"):  # segments can hide a count mismatch: check it
             steps.append(partial(checks.neighbour_check, t, "allreduce", dst.size, dst.dtype,
@@ -641,7 +643,8 @@ class Communicator:
         src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         if name == "native":
             native.check(t, x.dtype, ctx)
-        fused = name != "native" and op.fuses_finish(x.dtype, self.size)  # avg: in the last step
+        # avg: the division in the last ring step
+        fused = op.name == "avg" and name != "native" and op.fuses_finish(x.dtype, self.size)
 
         def run():
             if name == "native":
@@ -663,7 +666,7 @@ class Communicator:
             return out
 
         fields = self._fields(op, x, **_memory(side)) if self.options.debug else None
-        return side.on_stream(run), name, fields
+        return run if side.device is None else side.on_stream(run), name, fields
 
     # -- all-gather --------------------------------------------------------------------------
     def allgather(self, x, out=None, algorithm=None):
@@ -709,7 +712,7 @@ class Communicator:
         # axis 0 may differ between ranks: the fingerprint leaves it out
         fields = (self._fields(dtype=x.dtype.name, row_shape=list(x.shape[1:]), **_memory(side))
                   if self.options.debug else None)
-        return side.on_stream(run), name, fields
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def _exchange_rows(self, x, out, name):
         """Every rank's row count, once all ranks know that dtypes, trailing shapes and the
@@ -787,7 +790,7 @@ class Communicator:
 
         fields = (self._fields(x=x, root=int(root), **_memory(side)) if self.options.debug
                   else None)
-        return side.on_stream(run), name, fields
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def reduce(self, x, op="sum", root=0, out=None, algorithm=None):
         """Reduce x over all ranks onto root: returns the result on root, None elsewhere.
@@ -831,7 +834,7 @@ class Communicator:
 
         fields = (self._fields(op, x, root=int(root), **_memory(side)) if self.options.debug
                   else None)
-        return side.on_stream(run), name, fields
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def alltoall(self, x, out=None, algorithm=None):
         """Send block j of x (axis 0 split into size equal blocks) to rank j.
@@ -869,7 +872,7 @@ class Communicator:
             return out
 
         fields = self._fields(x=x, **_memory(side)) if self.options.debug else None
-        return side.on_stream(run), name, fields
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
