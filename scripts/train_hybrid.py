@@ -36,7 +36,8 @@ import train_digits as digits  # noqa: E402
 
 import ringcoll  # noqa: E402
 from ringcoll.parallel import (Activation, ColumnParallelLinear, Pipeline,  # noqa: E402
-                               RowParallelLinear, Sequential, micro_batches, mlp, partition)
+                               RowParallelLinear, Sequential, default_poll, micro_batches, mlp,
+                               partition)
 
 
 def parse(argv=None):
@@ -46,6 +47,9 @@ def parse(argv=None):
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--micro-batches", type=int, default=4, help="per step, with --pp")
     ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    ap.add_argument("--poll-us", type=float, default=None,
+                    help="pipeline receives poll every N us instead of blocking (default: 50 "
+                         "when the ranks outnumber the cores, else block; 0: block)")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--batch", type=int, default=96, help="global batch (split over dp)")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -140,7 +144,10 @@ def train(mesh, args, data, log=None):
     full = initial_params(args, data)  # the same on every rank (one seed)
     if mesh.pp.size > 1:
         model = pipeline_stage(mesh.pp, full)
-        pipe = Pipeline(mesh.pp, model, args.schedule)
+        poll = (default_poll(mesh.comm) if args.poll_us is None
+                else args.poll_us / 1e6 or None)
+        pipe = Pipeline(mesh.pp, model, args.schedule, poll=poll)
+        args.poll = poll  # reported by main()
         first, last = pipe.first, pipe.last
     else:
         model = tensor_parallel_model(mesh.tp, full)
@@ -217,7 +224,9 @@ def main(argv=None):
     if show:
         shape = " x ".join(f"{a}={mesh.shape[a]}" for a in ("dp", "tp", "pp")
                            if mesh.shape[a] > 1) or "1 process"
-        extra = (f", {args.schedule}, {args.micro_batches} micro-batches"
+        wait = f"receives polled every {1e6 * args.poll:g} us" if getattr(args, "poll", None) \
+            else "blocking receives"
+        extra = (f", {args.schedule}, {args.micro_batches} micro-batches, {wait}"
                  if mesh.pp.size > 1 else "")
         print(f"hybrid {shape}{extra}: final test accuracy {100 * acc:.2f}% after "
               f"{args.epochs} epochs ({elapsed:.1f} s; single process: {100 * ref_acc:.2f}%); "

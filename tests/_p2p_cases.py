@@ -153,8 +153,19 @@ def blocking_pairs(comm):
         comm.send(payload(r, right, 20), right, 20)
 
 
+def polled_waits(comm):
+    """wait(poll=...) sleeps between checks instead of blocking: the same messages arrive."""
+    p, r = comm.size, comm.rank
+    right, left = (r + 1) % p, (r - 1) % p
+    for k in range(3):
+        rreq = comm.irecv(np.empty(5), left, 30 + k)
+        sreq = comm.isend(payload(r, right, 30 + k), right, 30 + k)
+        same(f"polled {k}", comm, rreq.wait(poll=1e-4), payload(left, r, 30 + k))
+        assert sreq.wait(poll=1e-4) is None and rreq.wait() is not None
+
+
 CASES = [ring_isend_recv, sendrecv_both_ways, self_messages, order_and_tags, all_to_all,
-         beside_collectives, polling_and_large, blocking_pairs]
+         beside_collectives, polling_and_large, blocking_pairs, polled_waits]
 
 
 def run_all(comm):

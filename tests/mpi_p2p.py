@@ -6,10 +6,13 @@ non-zero. A scenario makes rank 1 break the rules instead (tests/test_p2p.py ass
 job ends at once with the error text, never hangs):
   long      rank 0 sends 3 float64 where rank 1's recv has room for 2 (blocking recv)
   short     rank 0 sends 1 float64 where rank 1's irecv expects 2 (found at wait)
-  never     rank 1 waits in recv for a message rank 0 never sends (the watchdog ends it)
+  never     rank 1 waits in recv for a message rank 0 never sends (the watchdog ends it;
+            rank 0 sleeps meanwhile, so rank 1's watchdog is the one that fires)
+  polled    the same with irecv(...).wait(poll=1e-3): the polling wait is watched too
 """
 
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -45,9 +48,13 @@ def main(scenario=None):
             comm.send(np.ones(1), 1)
         elif comm.rank == 1:
             comm.irecv(np.empty(2), 0).wait()
-    elif scenario == "never":
-        if comm.rank == 1:
+    elif scenario in ("never", "polled"):
+        if comm.rank == 0:
+            time.sleep(60)
+        elif scenario == "never":
             comm.recv(np.empty(2), 0)
+        else:
+            comm.irecv(np.empty(2), 0).wait(poll=1e-3)
     comm.barrier()
     print(f"rank {comm.rank}: finished", flush=True)
 

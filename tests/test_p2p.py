@@ -126,6 +126,37 @@ def test_a_message_never_sent_times_out():
         run(2, body, timeout=0.5)
 
 
+def test_a_polled_wait_for_a_message_never_sent_times_out():
+    def body(comm):
+        if comm.rank == 1:
+            comm.irecv(np.empty(2), 0, tag=3).wait(poll=1e-3)
+
+    with pytest.raises(ringcoll.CollectiveTimeoutError,
+                       match=r"wait for irecv from 0 #2: no message from rank 0"):
+        run(2, body, timeout=0.3)
+
+
+def test_a_polled_wait_stops_when_a_peer_fails():
+    def body(comm):
+        if comm.rank == 0:
+            raise RuntimeError("rank 0 broke")
+        comm.irecv(np.empty(2), 0).wait(poll=1e-3)
+
+    outcome = []
+
+    def wrapped(comm):
+        try:
+            body(comm)
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            outcome.append((comm.rank, exc))
+            raise
+
+    with pytest.raises(RuntimeError, match="rank 0 broke"):
+        run(2, wrapped)
+    failed = dict(outcome)
+    assert isinstance(failed[1], ringcoll.PeerFailedError) and "rank 0 failed" in str(failed[1])
+
+
 # -- MPI tier -------------------------------------------------------------------------------------
 @mpirun.needs_mpi
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -143,7 +174,10 @@ def test_every_case_under_mpiexec(p, mpi_timings):
               "(point-to-point tag 0) to rank 1, whose receive buffer holds 16 bytes"]),
     ("short", ["CollectiveMismatchError: ringcoll rank 1, wait for irecv from 0 #2: rank 0 "
                "sent 8 bytes", "buffer of exactly the size and dtype rank 0 sends"]),
-    ("never", ["CollectiveTimeoutError", "waiting at step 1: rank 0 (point-to-point tag 0)"]),
+    ("never", ["CollectiveTimeoutError: ringcoll rank 1, recv from 0 #1: no progress for",
+               "waiting at step 1: rank 0 (point-to-point tag 0)"]),
+    ("polled", ["CollectiveTimeoutError: ringcoll rank 1, wait for irecv from 0 #2: no "
+                "progress for", "waiting at step 1: rank 0 (point-to-point tag 0)"]),
 ])
 def test_failures_under_mpiexec_end_the_job(scenario, texts, mpi_timings):
     rc, out, secs = mpirun.launch(2, ["tests/mpi_p2p.py", scenario],

@@ -17,14 +17,14 @@ measured pipeline bubble.
 """
 
 from .layers import Activation, Linear, Sequential, mlp
-from .pipeline import (SCHEDULES, Pipeline, PipelineResult, draw, gpipe, micro_batches,
-                       one_f_one_b, partition, simulate)
+from .pipeline import (SCHEDULES, Pipeline, PipelineResult, default_poll, draw, gpipe,
+                       micro_batches, one_f_one_b, partition, simulate)
 from .tensor import (ColumnParallelLinear, CopyToTP, GatherRows, ParallelMLP, ReduceFromTP,
                      ReduceScatterRows, RowParallelLinear, shard)
 
 __all__ = [
     "Activation", "ColumnParallelLinear", "CopyToTP", "GatherRows", "Linear", "ParallelMLP",
     "Pipeline", "PipelineResult", "ReduceFromTP", "ReduceScatterRows", "RowParallelLinear",
-    "SCHEDULES", "Sequential", "draw", "gpipe", "micro_batches", "mlp", "one_f_one_b",
-    "partition", "shard", "simulate",
+    "SCHEDULES", "Sequential", "default_poll", "draw", "gpipe", "micro_batches", "mlp",
+    "one_f_one_b", "partition", "shard", "simulate",
 ]

@@ -35,6 +35,7 @@ each, with n B the activation's bytes. Tags: 0 forward, 1 backward; each stream 
 received in micro-batch order, which MPI's non-overtaking rule keeps.
 """
 
+import os
 import time
 
 import numpy as np
@@ -112,6 +113,13 @@ def draw(schedule, p, m, t_f=1, t_b=2):
     return "\n".join(lines)
 
 
+def default_poll(comm, seconds=50e-6):
+    """`seconds` if comm's node runs more ranks than this process may use cores (MPI's
+    spinning waits then take cores from ranks that compute), else None (block)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return seconds if comm.local_size > (cores or 1) else None
+
+
 def micro_batches(n, m):
     """The row slices of an n-row batch cut into m micro-batches (np.array_split's blocks)."""
     return Partition.even(n, m).slices
@@ -150,6 +158,9 @@ class Pipeline:
         stage: this stage's module (layers.py protocol; in_features, out_features and dtype
             give the shapes of the messages it receives).
         schedule: "1f1b" (default) or "gpipe", or a function (p, s, m) -> actions.
+        poll: seconds to sleep between checks while waiting for a message, instead of
+            blocking in MPI (which spins on the core): for ranks that outnumber the cores, where
+            a waiting stage's spinning slows the stage that computes (see Request.wait).
 
     Example::
 
@@ -160,8 +171,8 @@ class Pipeline:
         opt.step(res.grads)
     """
 
-    def __init__(self, comm, stage, schedule="1f1b"):
-        self.comm, self.stage = comm, stage
+    def __init__(self, comm, stage, schedule="1f1b", poll=None):
+        self.comm, self.stage, self.poll = comm, stage, poll
         if callable(schedule):
             self.schedule = schedule
         elif schedule in SCHEDULES:
@@ -182,7 +193,10 @@ class Pipeline:
             raise InvalidArgumentError(f"{ctx}the last stage needs loss(j, y) -> (value, dy)")
 
     def _receive(self, rows, width, source, tag):
-        return self.comm.recv(np.empty((rows, width), self.stage.dtype), source, tag)
+        out = np.empty((rows, width), self.stage.dtype)
+        if self.poll:
+            return self.comm.irecv(out, source, tag).wait(poll=self.poll)
+        return self.comm.recv(out, source, tag)
 
     def run(self, rows, inputs=None, loss=None):
         """One forward and backward pass of every micro-batch, in this stage's schedule order.

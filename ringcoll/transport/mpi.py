@@ -238,10 +238,11 @@ class MPITransport(Transport):
 class _Receive:
     """A point-to-point receive in flight: the MPI request and what its status must say."""
 
-    __slots__ = ("req", "nbytes", "peer", "tag", "done")
+    __slots__ = ("req", "nbytes", "peer", "tag", "at", "done")
 
     def __init__(self, req, nbytes, peer, tag):
         self.req, self.nbytes, self.peer, self.tag = req, nbytes, peer, tag
+        self.at = (peer, tag)  # one object: a poll loop that notes it shows the watchdog no move
         self.done = False  # MPI frees a finished request: its status cannot be read twice
 
 
@@ -288,14 +289,21 @@ class _Channel(MPITransport):
         if not isinstance(req, _Receive):
             req.Wait()
             return
-        self.progress.step += 1
-        self.progress.at = (req.peer, req.tag)
+        self._note(req)
         self._check(req, lambda: req.req.Wait(self._status))
 
     def test(self, req):
         if not isinstance(req, _Receive):
             return req.Test()
+        self._note(req)
         return self._check(req, lambda: req.req.Test(self._status))
+
+    def _note(self, req):
+        """One step in the progress record per receive, however often it is tested (a poll
+        loop) and then waited for: the watchdog must see a poll that never ends stand still."""
+        if self.progress.at is not req.at:
+            self.progress.step += 1
+            self.progress.at = req.at
 
     def _check(self, req, call):
         """call() (a Wait, or a Test returning whether it finished), then the size check."""

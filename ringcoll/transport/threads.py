@@ -68,6 +68,10 @@ class ThreadTransport(Transport):
         self.progress = Progress()
         self._nsplits = 0
 
+    @property
+    def timeout(self):
+        return self.world.timeout
+
     def isend(self, buf, peer, tag):
         data = buf.view(np.uint8)
         world = self.world
@@ -110,6 +114,8 @@ class ThreadTransport(Transport):
     def test(self, req):
         if req.done and req.error is not None:
             raise self._mismatch(req)
+        if not req.done and self.world.failure() is not None:
+            self._raise_stuck(req, False)  # a poll loop must not outlive a failed world
         return req.done
 
     def _mismatch(self, req):
