@@ -182,7 +182,7 @@ def check_pipeline(comm, schedule, m, n=16, sizes=SIZES, activation="gelu"):
         close(f"{schedule} p={p} m={m} d{name}", comm, g, g_ref[name], rtol=1e-11)
     if s == p - 1:
         close("loss", comm, sum(res.losses), loss_ref, rtol=1e-12)
-    assert [k for k, _ in res.timeline].count("F") == m and len(res.timeline) == 2 * m
+    assert [a[0] for a in res.timeline].count("F") == m and len(res.timeline) == 2 * m
     expect = m if schedule == "gpipe" else min(p - s, m)
     assert res.peak_in_flight == expect, (schedule, p, s, m, res.peak_in_flight)
     out = pipe.forward_only(rows, inputs=[x[sl] for sl in slices] if s == 0 else None)
