@@ -29,10 +29,11 @@ from .tuning import resolve as resolve_tuning
 
 
 class Request:
-    """A non-blocking collective in flight: wait() returns its result, test() polls.
+    """A non-blocking collective (iallreduce) or message (isend, irecv) in flight: wait()
+    returns its result, test() polls.
 
-    Once it has finished, `seconds` is how long it ran on the background thread (not counting
-    its wait in the queue): the communication time that overlap can hide.
+    Once a collective has finished, `seconds` is how long it ran on the background thread (not
+    counting its wait in the queue): the communication time that overlap can hide.
     """
 
     def __init__(self, future=None):

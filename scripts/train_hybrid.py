@@ -233,6 +233,7 @@ def main(argv=None):
               f"parameters vs the single-process run: max abs diff {diff:.2e} "
               f"({args.dtype}, tolerance {args.tolerance:.0e}): {'PASS' if ok else 'FAIL'}",
               flush=True)
+    mesh.close()
     comm.close()
     return 0 if ok else 1
 
