@@ -123,6 +123,11 @@ class Workspace:
             plan = self._plans[key] = build()
         return plan
 
+    def drop_plans(self):
+        """Forget the cached partitions and schedules (some hold views of the transport they
+        were built on: the Communicator calls this when it swaps its transport)."""
+        self._plans.clear()
+
     def partition(self, n, parts):
         return self.cached(("even", n, parts), lambda: Partition.even(n, parts))
 

@@ -9,6 +9,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -24,6 +25,7 @@ from .config import MPI_TIMEOUT, Options
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, InvalidArgumentError,
                      InvalidTypeError, PeerFailedError, RingcollError, where)
 from .ops import check_op_dtype, get_op
+from .transport.trace import Trace, TracingTransport
 from .tuning import resolve as resolve_tuning
 
 
@@ -780,6 +782,44 @@ class Communicator:
                             cost_model=self.cost_model,
                             tuning=self.tuning if self.tuning is not None else False)
 
+    @contextmanager
+    def trace(self, trace=None):
+        """Record every message this rank sends and receives inside the with-block.
+
+        Yields a ringcoll.Trace (or fills `trace`, which several thread ranks may share):
+        one Message per message sent (src, dst, tag, nbytes, collective, seq, step, t_start,
+        t_end; see ringcoll.transport.trace) and one Receive per message received. Over MPI
+        each process records only its own rank's traffic; `t.gather(comm)` after the block
+        collects every rank's on every rank. Not itself collective: call it on every rank
+        around the same calls. Outside the block nothing is recorded and nothing costs more.
+
+        Example::
+
+            with comm.trace() as t:
+                comm.allreduce(np.ones(8), algorithm="ring")
+            t.bytes_sent(comm.rank)   # 2(p-1)/p * 64 plus the ring's 48-byte header check
+        """
+        self._check_open("trace")
+        self.wait_all()  # a pending collective runs on the transport it was built on
+        trace = Trace() if trace is None else trace
+        inner = self._t
+        self._swap_transport(TracingTransport(inner, trace))
+        ok = False
+        try:
+            yield trace
+            ok = True
+        finally:
+            if ok:
+                self.wait_all()  # the traced non-blocking collectives finish traced
+            self._swap_transport(inner)
+
+    def _swap_transport(self, transport):
+        """Run on `transport` from now on. The replay plan and the cached schedules hold steps
+        and views bound to the old one, so they go: the next call builds them afresh."""
+        self._t = transport
+        self._plan = None
+        self._ws.drop_plans()
+
     def wait_all(self):
         """Wait for every outstanding non-blocking collective."""
         if self._tail is not None:
@@ -875,3 +915,23 @@ def run_threads(size, fn, timeout=None, **options):
             comm.wait_all()
 
     return threads.run(size, body, timeout=wait)
+
+
+def simulate(size, fn, timeout=None, **options):
+    """Run fn(comm) on `size` thread ranks with tracing on: (results in rank order, Trace).
+
+    The Trace holds every rank's messages and receives (see Communicator.trace).
+
+    Example::
+
+        results, trace = ringcoll.simulate(
+            4, lambda comm: comm.allreduce(np.arange(8.0), algorithm="ring"))
+        trace.bytes_sent(0)   # 144: 3 blocks of 2 float64 in each half, and the 48-byte header
+    """
+    trace = Trace()
+
+    def body(comm):
+        with comm.trace(trace):
+            return fn(comm)
+
+    return run_threads(size, body, timeout=timeout, **options), trace
