@@ -488,7 +488,8 @@ def test_reduce_every_root(p):
                 got, flag = results[r][k]
                 label = f"p={p} root={root} {shape} {dtype} {op} rank {r}"
                 if r == root:
-                    bad = "returned None" if got is None else O.compare(got, expected, op, dtype, nranks=p)
+                    bad = ("returned None" if got is None
+                           else O.compare(got, expected, op, dtype, nranks=p))
                     if bad:
                         failures.append(f"{label}: {bad}")
                 elif got is not None:
