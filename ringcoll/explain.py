@@ -26,6 +26,7 @@ import argparse
 import math
 import os
 import sys
+import textwrap
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,7 +134,7 @@ def header_check(M, p):
         return
     for r in range(p):
         M.send(r, (r + 1) % p, "header", "check", nbytes=HEADER_BYTES, every="r -> r+1",
-               action="compares the call with its own (count, dtype, op)")
+               action="checks count, dtype, op match")
     yield "check"
 
 
@@ -1085,7 +1086,9 @@ def state_lines(ex, states, M):
 def bytes_lines(ex, trace):
     text, rows = byte_formula(ex)
     out = [f"Bytes per rank (int64: {DTYPE.itemsize} B an element, n = {ex.n} elements = "
-           f"{ex.n * DTYPE.itemsize} B):", f"  closed form: {text}"]
+           f"{ex.n * DTYPE.itemsize} B):"]
+    out += textwrap.wrap(f"closed form: {text}", 94, initial_indent="  ",
+                         subsequent_indent="    ")
     table, bad = [], []
     for r in range(ex.p):
         sent, got = trace.bytes_sent(r), trace.bytes_received(r)
@@ -1107,7 +1110,8 @@ def cost_lines(ex):
     cm = CostModel()
     out = [f"Cost (alpha-beta-gamma; ringcoll.CostModel defaults a = {cm.alpha * 1e6:g} us, "
            f"b = {cm.beta * 1e9:g} ns/B, g = {cm.gamma * 1e9:g} ns/B):",
-           f"  {text}", f"  with p = {ex.p}, n = {ex.n * DTYPE.itemsize} B:"]
+           *textwrap.wrap(text, 94, initial_indent="  ", subsequent_indent="    "),
+           f"  with p = {ex.p}, n = {ex.n * DTYPE.itemsize} B:"]
     shown = [(name if count is None else f"{_num(count)}{unit} {name}", secs)
              for name, count, unit, secs in terms if count is None or count]
     if shown:
@@ -1160,16 +1164,16 @@ def explain(ex, out=print, local_size=None):
                                    for nm, sl in zip(names, part.slices)))
     out("")
     ncols = len(states) - 1
-    out(f"Schedule ({len(M.sends)} messages in {ncols} steps; every row checked against the "
-        "trace: sender's order, destination, tag, bytes, and the values sent):")
+    out(f"Schedule: {len(M.sends)} messages in {ncols} steps (each checked against the run: "
+        "order, peer, tag, bytes, values)")
     for line in schedule_lines(M):
         out("  " + line)
     out("")
     if p <= READABLE_P and n <= MAX_STATE_ELEMS:
         legend = {"barrier": "After each round:"}.get(ex.collective, (
             "Buffers after each step ('.': nothing held there"
-            + ("; 'b2=0+3': block b2 holds the sum of ranks 0 and 3's inputs, 'all': of "
-               "every rank's):" if ex.collective in REDUCTIONS else "):")))
+            + ("; b2=0+3: block b2 holds the sum of\nranks 0 and 3's inputs; all: of every "
+               "rank's):" if ex.collective in REDUCTIONS else "):")))
         out(legend)
         for line in state_lines(ex, states, M):
             out("  " + line)

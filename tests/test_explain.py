@@ -57,7 +57,7 @@ def ring_rows(p, n):
     # rank r's element i is 10 r + i; after s + 1 reduce-scatter steps block (r - s - 1) % p
     # on rank r holds the sum over ranks r, r - 1, ..., r - s
     rows = [(0, "check", "r -> r+1", "-", "-", 48, "-",
-             "compares the call with its own (count, dtype, op)")]
+             "checks count, dtype, op match")]
     for s in range(p - 1):
         for r in range(p):
             b = (r - s - 1) % p
