@@ -1,0 +1,572 @@
+"""Network simulator: run the real algorithm code against a model of a cluster, in virtual time.
+
+    from ringcoll.netsim import Cluster, Simulator
+    cluster = Cluster(nodes=128, devices_per_node=8)      # 1,024 ranks, one NIC per node
+    sim = Simulator()
+    sim.allreduce(cluster, "ring", 256 << 20).seconds     # predicted completion time
+    sim.allreduce(cluster, "hierarchical", 256 << 20).seconds
+    formula(cluster, "ring", 256 << 20)                   # the closed form, for comparison
+
+How it works, in two passes (docs/simulator.md has the full story and the validation):
+
+1. Record. Each rank's algorithm function - the very function in ringcoll.algorithms that
+   the Communicator calls - runs on a RecordingTransport (ringcoll.transport.simulated), which
+   writes every isend / irecv / wait / waitall and every reduction (with its byte count) into
+   that rank's log. Payload-free (the default), a wait returns at once and nothing moves, so
+   the ranks run one after another with no threads; the algorithms' control flow depends only
+   on rank, size, counts and segment size, never on the data, so each log is exactly what the
+   rank would do in a real run. Arrays are zero-stride views (any length, one element of
+   memory); above `max_elems` elements the count is scaled down to a multiple of every
+   partition the algorithm makes, and replay multiplies each byte count back up. With
+   payload=True the ranks are threads over the thread transport instead, real data flows
+   (MPI matching rules) and the reduced arrays come back to be checked; the logs are the same.
+
+2. Replay. A discrete-event engine walks the logs in virtual time. Each rank has a clock. A
+   message sent at t occupies its ports from start = max(t, when both ports are free) for
+   bytes / bandwidth, and arrives at start + bytes / bandwidth + alpha; a wait completes at
+   max(clock, arrival) (a send request at the end of its injection); a reduction adds
+   gamma * bytes to the clock. Messages match receives by (source, tag) in posting order,
+   exactly as MPI (and the thread transport) do; sizes must agree. Ties break by rank, so the
+   result is deterministic.
+
+The cluster: `nodes` x `devices_per_node` ranks, rank r on node r // devices_per_node. Inside
+a node every device has its own egress and ingress port (an NVSwitch-like full crossbar,
+intra_bandwidth each way). Between nodes a message goes through its source node's NIC egress
+and its destination node's NIC ingress (inter_bandwidth each way), and every device of a node
+shares its node's `nics_per_node` NICs (device i uses NIC i * nics_per_node // devices).
+Shared ports serialize messages first-come first-served in virtual time (see
+docs/simulator.md for why that, not fair sharing).
+"""
+
+import gc
+import heapq
+import math
+import time
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from .algorithms import ALLREDUCE, CostModel
+from .arrays import Workspace
+from .config import DEFAULT_SEGMENT_BYTES
+from .errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError
+from .ops import get_op
+from .transport.simulated import (COMPUTE, RECV, SEND, WAIT, CostedCombine, PayloadCombine,
+                                  PayloadRecordingTransport, RecordingTransport)
+
+#: simulate with no pipeline segmentation: every block is one message (what the closed forms
+#: in the algorithms' docstrings describe)
+NO_SEGMENTS = 1 << 62
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """nodes x devices_per_node ranks; seconds, bytes and bytes/s throughout.
+
+    The defaults are illustrative, not measured: an NVLink-class node (300 GB/s each way per
+    device, 2 us) and an InfiniBand-class network (one 25 GB/s NIC per node each way, 5 us),
+    with reductions at 1 TB/s (gamma = 1 ps/byte) as on a GPU.
+    """
+
+    nodes: int = 1
+    devices_per_node: int = 8
+    intra_alpha: float = 2e-6
+    intra_bandwidth: float = 300e9
+    inter_alpha: float = 5e-6
+    inter_bandwidth: float = 25e9
+    nics_per_node: int = 1
+    gamma: float = 1e-12
+
+    def __post_init__(self):
+        if self.nodes < 1 or self.devices_per_node < 1:
+            raise InvalidArgumentError(f"need nodes >= 1 and devices_per_node >= 1, got "
+                                       f"{self.nodes} x {self.devices_per_node}")
+        if not 1 <= self.nics_per_node <= self.devices_per_node:
+            raise InvalidArgumentError(f"nics_per_node must be 1..devices_per_node, got "
+                                       f"{self.nics_per_node}")
+        if min(self.intra_bandwidth, self.inter_bandwidth) <= 0:
+            raise InvalidArgumentError("bandwidths must be > 0 (bytes per second)")
+
+    @classmethod
+    def flat(cls, p, alpha, bandwidth, gamma=0.0):
+        """p ranks on one full-bisection switch: every pair alpha apart, every rank its own
+        bandwidth each way. The setting the alpha-beta-gamma closed forms assume."""
+        return cls(nodes=1, devices_per_node=p, intra_alpha=alpha, intra_bandwidth=bandwidth,
+                   gamma=gamma)
+
+    @property
+    def size(self):
+        return self.nodes * self.devices_per_node
+
+    def node_lists(self):
+        """Each node's ranks, in order: what hierarchical takes as `nodes`."""
+        k = self.devices_per_node
+        return [list(range(i * k, (i + 1) * k)) for i in range(self.nodes)]
+
+    def node_ids(self):
+        return [r // self.devices_per_node for r in range(self.size)]
+
+    def nic_ids(self):
+        """The NIC (numbered across the cluster) each rank's inter-node messages use."""
+        k, m = self.devices_per_node, self.nics_per_node
+        return [(r // k) * m + (r % k) * m // k for r in range(self.size)]
+
+    def cost_model(self):
+        """The CostModel with this cluster's link parameters (beta = 1 / bandwidth)."""
+        return CostModel(alpha=self.intra_alpha, beta=1 / self.intra_bandwidth,
+                         gamma=self.gamma, inter_alpha=self.inter_alpha,
+                         inter_beta=1 / self.inter_bandwidth)
+
+
+@dataclass
+class Prediction:
+    """What a simulated collective did. `seconds` is the prediction: the last rank's finish."""
+
+    seconds: float
+    finish: list  # each rank's virtual clock when its log ran out
+    messages: int
+    bytes_intra: float  # nominal bytes through intra-node ports, all messages together
+    bytes_inter: float  # nominal bytes through NICs
+    ordered: bool  # replayed in global time order (needed when some port has 2+ senders)
+    record_seconds: float = 0.0  # wall time of the record pass (0 when the logs were cached)
+    replay_seconds: float = 0.0  # wall time of the replay
+    count: int = 0  # elements each rank's arrays really had
+    scale: float = 1.0  # nominal bytes per recorded byte
+    results: list | None = field(default=None, repr=False)  # payload=True: every rank's dst
+
+
+@contextmanager
+def _no_gc():
+    """Millions of small tuples and no reference cycles: the cyclic collector would only walk
+    them again and again (a third of a 1,024-rank record pass went there)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+# -- pass 1: record -------------------------------------------------------------------------
+def _zeros(count, dtype):
+    """A writable array of `count` elements backed by one element: what payload-free runs
+    hand the algorithms. Slicing, partitions and byte counts behave as for a real buffer."""
+    return as_strided(np.zeros(1, dtype), (count,), (0,))
+
+
+class NominalWorkspace(Workspace):
+    """The Workspace simulated ranks get: scratch buffers that take no memory (payload-free),
+    partitions shared by every rank, and a pipeline segment of `seg_elems` elements (the
+    segment in nominal bytes over the nominal bytes one element stands for).
+
+    `shared` is a dict of partitions shared by every rank's workspace (they are pure
+    functions of (n, parts), and building p of them at every rank would cost O(p^2))."""
+
+    def __init__(self, seg_elems, shared, payload=False):
+        super().__init__(None)
+        self.seg_elems = seg_elems
+        self.shared = shared
+        self.payload = payload
+
+    def scratch(self, name, count, dtype):
+        if self.payload:
+            return super().scratch(name, count, dtype)
+        return _zeros(count, dtype)
+
+    def partition(self, n, parts):
+        key = ("even", n, parts)
+        part = self.shared.get(key)
+        if part is None:
+            part = self.shared[key] = super().partition(n, parts)
+        return part
+
+    def segment_elems(self, dtype):
+        return self.seg_elems
+
+
+def record(p, fn, payload=False, node_ids=None, timeout=60.0):
+    """Run fn(transport) on p ranks over RecordingTransports; return (transports, results).
+
+    Payload-free: rank 0's whole run, then rank 1's, ... (no threads). Payload: one thread per
+    rank over the thread transport, so data really moves; fn's return values are the results.
+    """
+    if not payload:
+        transports, results = [], []
+        with _no_gc():
+            for r in range(p):
+                t = RecordingTransport(r, p, node_ids=node_ids)
+                results.append(fn(t))
+                transports.append(t)
+        return transports, results
+    from .transport import threads
+
+    transports = [None] * p
+
+    def body(inner):
+        t = transports[inner.rank] = PayloadRecordingTransport(inner, node_ids=node_ids)
+        return fn(t)
+
+    results = threads.run(p, body, timeout=timeout)
+    return transports, results
+
+
+# -- pass 2: replay -------------------------------------------------------------------------
+def _shared_ports(cluster, peers):
+    """True if some port carries messages from two different ranks: only then does the order
+    in which sends are booked matter, and replay must go in global virtual-time order."""
+    node, nic = cluster.node_ids(), cluster.nic_ids()
+    sender = {}
+    for s, dests in enumerate(peers):
+        for d in dests:
+            ports = (("in", d),) if node[s] == node[d] else (("out", nic[s]), ("nin", nic[d]))
+            for port in ports:
+                if sender.setdefault(port, s) != s:
+                    return True
+    return False
+
+
+def replay(cluster, logs, peers=None, scale=1.0, ordered=None, timeline=None):
+    """Virtual-time replay of per-rank operation logs on `cluster`; returns a Prediction.
+
+    logs[r] is rank r's op list (RecordingTransport.ops); peers[r] the ranks it sends to
+    (used to decide whether global time order is needed; None: always use it). Byte counts
+    in the logs are multiplied by `scale`. ordered=True/False forces the engine's mode;
+    both give the same answer whenever no port has two senders (tests check it). A list
+    passed as `timeline` gets one (src, dst, tag, nbytes, start, end, arrival) per message.
+
+    Engine: a rank runs its log until it must wait for a message not yet sent. In ordered
+    mode the runnable ranks sit in a heap by clock, and a rank whose clock passes the heap's
+    smallest yields, so every send is booked on its ports in nondecreasing virtual time (what
+    first-come first-served needs). Unordered mode skips the heap: with one sender per port,
+    each port is booked in that sender's program order whatever order ranks run in.
+    """
+    p = cluster.size
+    if len(logs) != p:
+        raise InvalidArgumentError(f"{len(logs)} logs for a cluster of {p} ranks")
+    if ordered is None:
+        ordered = peers is None or _shared_ports(cluster, peers)
+    with _no_gc():
+        return _replay(cluster, logs, scale, ordered, timeline)
+
+
+def _replay(cluster, logs, scale, ordered, timeline):
+    p = cluster.size
+    node, nic = cluster.node_ids(), cluster.nic_ids()
+    nics = cluster.nodes * cluster.nics_per_node
+    out0, in0 = 2 * p, 2 * p + nics  # port numbers: intra egress r, intra ingress p + r, NICs
+    free = [0.0] * (2 * p + 2 * nics)
+    a_l, a_g = cluster.intra_alpha, cluster.inter_alpha
+    s_l, s_g = scale / cluster.intra_bandwidth, scale / cluster.inter_bandwidth
+    g = cluster.gamma * scale
+    inf = math.inf
+
+    clock = [0.0] * p
+    pc = [0] * p
+    done = [[None] * len(log) for log in logs]  # request index -> completion time
+    blocked = [-1] * p  # the request a rank waits for, or -1
+    unexpected = {}  # (src, dst, tag) -> deque of (arrival, nbytes): sent, not yet received
+    posted = {}  # (src, dst, tag) -> deque of (request index, nbytes): posted, not yet sent
+    messages, intra, inter = 0, 0.0, 0.0
+    heap = [(0.0, r) for r in range(p)]  # sorted, so already a heap
+    ready = list(range(p - 1, -1, -1))
+    heappush, heappop = heapq.heappush, heapq.heappop
+
+    while True:
+        if ordered:
+            if not heap:
+                break
+            _, r = heappop(heap)
+            top = heap[0][0] if heap else inf
+        else:
+            if not ready:
+                break
+            r = ready.pop()
+            top = inf
+        c, i, log, rdone = clock[r], pc[r], logs[r], done[r]
+        n = len(log)
+        while i < n:
+            op = log[i]
+            kind = op[0]
+            if kind == SEND:
+                _, d, tag, nb = op
+                if node[r] == node[d]:
+                    pe, pi, dur, lat = r, p + d, nb * s_l, a_l
+                    intra += nb
+                else:
+                    pe, pi, dur, lat = out0 + nic[r], in0 + nic[d], nb * s_g, a_g
+                    inter += nb
+                start = c
+                if free[pe] > start:
+                    start = free[pe]
+                if free[pi] > start:
+                    start = free[pi]
+                end = start + dur
+                free[pe] = free[pi] = end
+                rdone[i] = end
+                arrival = end + lat
+                messages += 1
+                if timeline is not None:
+                    timeline.append((r, d, tag, nb * scale, start, end, arrival))
+                key = (r, d, tag)
+                q = posted.get(key)
+                if q:
+                    j, rnb = q.popleft()
+                    if rnb != nb:
+                        raise _size_mismatch(r, d, tag, nb, rnb)
+                    done[d][j] = arrival
+                    if blocked[d] == j:
+                        blocked[d] = -1
+                        if ordered:
+                            wake = clock[d] if clock[d] > arrival else arrival
+                            heappush(heap, (wake, d))
+                            if wake < top:
+                                top = wake
+                        else:
+                            ready.append(d)
+                else:
+                    q = unexpected.get(key)
+                    if q is None:
+                        q = unexpected[key] = deque()
+                    q.append((arrival, nb))
+                i += 1
+            elif kind == RECV:
+                _, s, tag, nb = op
+                key = (s, r, tag)
+                q = unexpected.get(key)
+                if q:
+                    arrival, snb = q.popleft()
+                    if snb != nb:
+                        raise _size_mismatch(s, r, tag, snb, nb)
+                    rdone[i] = arrival
+                else:
+                    q = posted.get(key)
+                    if q is None:
+                        q = posted[key] = deque()
+                    q.append((i, nb))
+                i += 1
+            elif kind == COMPUTE:
+                c += op[1] * g
+                i += 1
+                if c > top:
+                    heappush(heap, (c, r))
+                    break
+            else:  # WAIT or WAITALL
+                if kind == WAIT:
+                    t = rdone[op[1]]
+                    if t is None:
+                        blocked[r] = op[1]
+                        break
+                else:
+                    t = 0.0
+                    for j in op[1]:
+                        tj = rdone[j]
+                        if tj is None:
+                            blocked[r] = j
+                            break
+                        if tj > t:
+                            t = tj
+                    if blocked[r] >= 0:
+                        break
+                i += 1
+                if t > c:
+                    c = t
+                    if c > top:
+                        heappush(heap, (c, r))
+                        break
+        clock[r], pc[r] = c, i
+
+    stuck = [r for r in range(p) if pc[r] < len(logs[r])]
+    if stuck:
+        raise _deadlock(logs, pc, stuck)
+    return Prediction(seconds=max(clock, default=0.0), finish=clock, messages=messages,
+                      bytes_intra=intra * scale, bytes_inter=inter * scale, ordered=ordered,
+                      scale=scale)
+
+
+def _size_mismatch(src, dst, tag, sent, posted):
+    return CollectiveMismatchError(
+        f"simulated rank {dst} posted a {posted}-byte receive for a {sent}-byte message from "
+        f"rank {src} (tag {tag}): the ranks disagree on the count or dtype")
+
+
+def _deadlock(logs, pc, stuck):
+    lines = []
+    for r in stuck[:8]:
+        op = logs[r][pc[r]]
+        reqs = op[1] if isinstance(op[1], tuple) else (op[1],)
+        waits = [logs[r][j] for j in reqs if logs[r][j][0] == RECV]
+        what = ", ".join(f"rank {w[1]} (tag {w[2]})" for w in waits) or "a send"
+        lines.append(f"rank {r} waits for {what}")
+    more = f" and {len(stuck) - 8} more" if len(stuck) > 8 else ""
+    return CollectiveTimeoutError("simulated ranks would wait forever: " + "; ".join(lines)
+                                  + more)
+
+
+# -- the front end --------------------------------------------------------------------------
+def _core(p):
+    return 1 << (p.bit_length() - 1)
+
+
+class Simulator:
+    """Predicts collectives on Clusters by running the real algorithms (see the module doc).
+
+    Args:
+        segment_bytes: the ring algorithms' pipeline segment (default: the Communicator's);
+            NO_SEGMENTS sends every block as one message, as the closed forms assume.
+        max_elems: payload-free arrays longer than this are scaled down (see _shape).
+
+    Recorded logs are cached per (algorithm, ranks, node size, count, dtype, segment, inner):
+    they do not depend on the link parameters, so sweeping a cluster's bandwidths or
+    comparing message sizes that scale to the same count replays without recording again.
+    The cache keeps the most recent logs up to `cache_ops` operations in all (a 1,024-rank
+    ring is 8 million, about 1 GB).
+    """
+
+    def __init__(self, segment_bytes=DEFAULT_SEGMENT_BYTES, max_elems=1 << 16,
+                 cache_ops=10_000_000):
+        self.segment_bytes = segment_bytes
+        self.max_elems = max_elems
+        self.cache_ops = cache_ops
+        self._logs = OrderedDict()  # key -> (logs, peers, number of ops)
+
+    def _shape(self, algorithm, n, cluster, inner):
+        """(count, scale): run on `count` elements, each standing for `scale` nominal ones.
+
+        Up to max_elems: the nominal count itself (exact). Above: a multiple of p, of the
+        power-of-two core p' and (hierarchical) of k * the cross-node core, so that every
+        block any of the algorithms cuts is the same fraction of the buffer as at the nominal
+        size (there the real code's blocks differ by at most one element: < 1e-6 here)."""
+        if n <= self.max_elems:
+            return n, 1.0
+        p, k, nodes = cluster.size, cluster.devices_per_node, cluster.nodes
+        grain = 1  # recursive doubling and Bruck never cut the buffer: any count will do
+        if algorithm in ("ring", "rabenseifner", "hierarchical"):
+            grain = math.lcm(p, _core(p))
+        if algorithm == "hierarchical":
+            grain = math.lcm(grain, k * _core(nodes))
+        count = max(grain, self.max_elems // grain * grain)
+        return count, n / count
+
+    def allreduce(self, cluster, algorithm, nbytes, *, dtype=np.float32, payload=False,
+                  inner="ring", ordered=None):
+        """Predict an all-reduce of nbytes per rank with `algorithm` (a name of
+        ringcoll.algorithms.ALLREDUCE) on `cluster`; returns a Prediction.
+
+        payload=True moves real data (each rank's input: (index % 7) + rank) over threads and
+        returns every rank's output in .results; keep p small (threads). hierarchical gets
+        the cluster's nodes and runs `inner` across them.
+        """
+        if algorithm not in ALLREDUCE:
+            raise InvalidArgumentError(f"unknown all-reduce algorithm {algorithm!r}; choose "
+                                       f"one of {tuple(ALLREDUCE)}")
+        dtype = np.dtype(dtype)
+        if nbytes % dtype.itemsize:
+            raise InvalidArgumentError(f"{nbytes} bytes is not a whole number of {dtype}")
+        n = nbytes // dtype.itemsize
+        p = cluster.size
+        count, scale = (n, 1.0) if payload else self._shape(algorithm, n, cluster, inner)
+        seg = self._segment(algorithm, count, dtype.itemsize * scale, cluster)
+        key = (algorithm, p, cluster.devices_per_node, count, dtype.str, seg,
+               inner if algorithm == "hierarchical" else None)
+        t0 = time.perf_counter()
+        cached = None if payload else self._logs.get(key)
+        results, recorded = None, cached is None
+        if recorded:
+            run = self._runner(cluster, algorithm, count, dtype, seg, inner, payload)
+            transports, results = record(p, run, payload=payload, node_ids=cluster.node_ids())
+            cached = ([t.ops for t in transports], [t.peers for t in transports],
+                      sum(len(t.ops) for t in transports))
+            if not payload:
+                self._remember(key, cached)
+        else:
+            self._logs.move_to_end(key)
+        t1 = time.perf_counter()
+        pred = replay(cluster, cached[0], cached[1], scale=scale, ordered=ordered)
+        pred.record_seconds = t1 - t0 if recorded else 0.0
+        pred.replay_seconds = time.perf_counter() - t1
+        pred.count, pred.results = count, (results if payload else None)
+        return pred
+
+    def _remember(self, key, entry):
+        self._logs[key] = entry
+        total = sum(e[2] for e in self._logs.values())
+        while total > self.cache_ops and len(self._logs) > 1:
+            total -= self._logs.popitem(last=False)[1][2]
+
+    def _segment(self, algorithm, count, elem_bytes, cluster):
+        """The ring pipeline segment in elements, clamped to the largest block a ring step of
+        this algorithm sends: a longer segment cuts nothing more, so equal clamped values
+        give equal logs (and share a cache entry). 0 for the algorithms that never segment."""
+        parts = {"ring": cluster.size, "hierarchical": cluster.devices_per_node}.get(algorithm)
+        if parts is None:
+            return 0
+        seg = max(1, int(self.segment_bytes // elem_bytes))
+        return min(seg, max(1, -(-count // parts)))
+
+    def _runner(self, cluster, algorithm, count, dtype, seg, inner, payload):
+        fn = ALLREDUCE[algorithm]
+        extra = {}
+        if algorithm == "hierarchical":
+            extra = {"nodes": cluster.node_lists(), "inner": ALLREDUCE[inner]}
+        shared = {}
+        real = get_op("sum").bind(dtype) if payload else None
+
+        def run(t):
+            ws = NominalWorkspace(max(seg, 1), shared, payload)
+            if payload:
+                src = (np.arange(count) % 7 + t.rank).astype(dtype)
+                dst = np.empty(count, dtype)
+            else:
+                src, dst = _zeros(count, dtype), _zeros(count, dtype)
+            combine = PayloadCombine(t, real) if payload else CostedCombine(t)
+            fn(t, src, dst, combine, ws, **extra)
+            return dst if payload else None
+
+        return run
+
+
+def predict_allreduce(cluster, algorithm, nbytes, **options):
+    """Simulator(...).allreduce(cluster, algorithm, nbytes) with a fresh simulator; options
+    segment_bytes and max_elems go to the Simulator, the rest to allreduce."""
+    sim_opts = {k: options.pop(k) for k in ("segment_bytes", "max_elems") if k in options}
+    return Simulator(**sim_opts).allreduce(cluster, algorithm, nbytes, **options)
+
+
+def expected_sum(count, p, dtype=np.float32):
+    """What payload=True runs must produce on every rank: sum over r of (i % 7) + r."""
+    return (p * (np.arange(count) % 7) + p * (p - 1) // 2).astype(dtype)
+
+
+# -- closed forms ---------------------------------------------------------------------------
+def formula(cluster, algorithm, nbytes, inner="ring"):
+    """The alpha-beta-gamma closed form (ringcoll.algorithms.CostModel) with this cluster's
+    parameters. It has no notion of shared links: a flat algorithm on several nodes pays the
+    inter-node alpha and beta on every step, hierarchical pays them only for its cross-node
+    all-reduce of nbytes / devices_per_node, as if every rank had a NIC of its own."""
+    model, p = cluster.cost_model(), cluster.size
+    nodes = cluster.node_lists() if cluster.nodes > 1 else None
+    if algorithm == "hierarchical":
+        k, m = cluster.devices_per_node, cluster.nodes
+        local = model.allreduce("ring", nbytes, k)
+        spread = [[i] for i in range(m)]
+        return local + _flat_formula(model, inner, nbytes / k, m, spread if m > 1 else None)
+    return _flat_formula(model, algorithm, nbytes, p, nodes)
+
+
+def _flat_formula(model, name, nbytes, p, nodes):
+    if name == "bruck":  # (CostModel rules bruck out above its MAX_BYTES; the formula holds)
+        if p == 1:
+            return 0.0
+        multi = nodes is not None and len(nodes) > 1
+        a = model.inter_alpha if multi and model.inter_alpha is not None else model.alpha
+        b = model.inter_beta if multi and model.inter_beta is not None else model.beta
+        return math.ceil(math.log2(p)) * a + (p - 1) * nbytes * (b + model.gamma)
+    return model.allreduce(name, nbytes, p, nodes)
+
+
+__all__ = ["NO_SEGMENTS", "Cluster", "NominalWorkspace", "Prediction", "Simulator",
+           "expected_sum", "formula", "predict_allreduce", "record", "replay"]
