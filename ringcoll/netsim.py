@@ -130,7 +130,7 @@ class Prediction:
     messages: int
     bytes_intra: float  # nominal bytes through intra-node ports, all messages together
     bytes_inter: float  # nominal bytes through NICs
-    ordered: bool  # replayed in global time order (needed when some port has 2+ senders)
+    ordered: bool  # some port was shared, so sends on it were booked in virtual-time order
     record_seconds: float = 0.0  # wall time of the record pass (0 when the logs were cached)
     replay_seconds: float = 0.0  # wall time of the replay
     count: int = 0  # elements each rank's arrays really had
@@ -215,54 +215,80 @@ def record(p, fn, payload=False, node_ids=None, timeout=60.0):
 
 
 # -- pass 2: replay -------------------------------------------------------------------------
+def _port_numbers(cluster):
+    """(port of each rank's intra-node egress, intra ingress, NIC egress, NIC ingress, total):
+    the four as lists indexed by rank, every port a small int."""
+    p, nic = cluster.size, cluster.nic_ids()
+    nics = cluster.nodes * cluster.nics_per_node
+    return (list(range(p)), [p + r for r in range(p)], [2 * p + j for j in nic],
+            [2 * p + nics + j for j in nic], 2 * p + 2 * nics)
+
+
 def _shared_ports(cluster, peers):
-    """True if some port carries messages from two different ranks: only then does the order
-    in which sends are booked matter, and replay must go in global virtual-time order."""
-    node, nic = cluster.node_ids(), cluster.nic_ids()
-    sender = {}
+    """The ports that carry messages from two or more ranks: only bookings on those depend on
+    the order in which ranks are replayed."""
+    node = cluster.node_ids()
+    eg, ing, nic_out, nic_in, _ = _port_numbers(cluster)
+    sender, shared = {}, set()
     for s, dests in enumerate(peers):
         for d in dests:
-            ports = (("in", d),) if node[s] == node[d] else (("out", nic[s]), ("nin", nic[d]))
-            for port in ports:
+            for port in ((eg[s], ing[d]) if node[s] == node[d] else (nic_out[s], nic_in[d])):
                 if sender.setdefault(port, s) != s:
-                    return True
-    return False
+                    shared.add(port)
+    return shared
 
 
 def replay(cluster, logs, peers=None, scale=1.0, ordered=None, timeline=None):
     """Virtual-time replay of per-rank operation logs on `cluster`; returns a Prediction.
 
     logs[r] is rank r's op list (RecordingTransport.ops); peers[r] the ranks it sends to
-    (used to decide whether global time order is needed; None: always use it). Byte counts
-    in the logs are multiplied by `scale`. ordered=True/False forces the engine's mode;
-    both give the same answer whenever no port has two senders (tests check it). A list
-    passed as `timeline` gets one (src, dst, tag, nbytes, start, end, arrival) per message.
+    (they tell which ports are shared; None: treat every port as shared). Byte counts in the
+    logs are multiplied by `scale`. A list passed as `timeline` gets one
+    (src, dst, tag, nbytes, start, end, arrival) per message, in the order they were booked.
 
-    Engine: a rank runs its log until it must wait for a message not yet sent. In ordered
-    mode the runnable ranks sit in a heap by clock, and a rank whose clock passes the heap's
-    smallest yields, so every send is booked on its ports in nondecreasing virtual time (what
-    first-come first-served needs). Unordered mode skips the heap: with one sender per port,
-    each port is booked in that sender's program order whatever order ranks run in.
+    Engine: a rank runs its log until it must wait for a message not yet sent. First-come
+    first-served on a port needs the messages that share it booked in virtual-time order
+    (equal times: lower rank first), so runnable ranks sit in a heap keyed by (a lower bound
+    of their clock, rank), and a rank about to send through a shared port while its
+    (clock, rank) is past the heap's smallest key yields first.
+    Everything else (receives, waits, reductions, sends on a port only this rank uses) cannot
+    be affected by the order, so ranks run ahead through it. Without shared ports the heap is
+    skipped altogether. ordered=True treats every port as shared (the same answer, slower: a
+    test checks it); ordered=False treats none as shared, which is exact only when none is.
     """
     p = cluster.size
     if len(logs) != p:
         raise InvalidArgumentError(f"{len(logs)} logs for a cluster of {p} ranks")
-    if ordered is None:
-        ordered = peers is None or _shared_ports(cluster, peers)
+    if ordered is True or (ordered is None and peers is None):
+        shared = None  # every port
+    elif ordered is False:
+        shared = set()
+    else:
+        shared = _shared_ports(cluster, peers)
     with _no_gc():
-        return _replay(cluster, logs, scale, ordered, timeline)
+        return _replay(cluster, logs, scale, shared, timeline)
 
 
-def _replay(cluster, logs, scale, ordered, timeline):
+def _replay(cluster, logs, scale, shared, timeline):
     p = cluster.size
-    node, nic = cluster.node_ids(), cluster.nic_ids()
-    nics = cluster.nodes * cluster.nics_per_node
-    out0, in0 = 2 * p, 2 * p + nics  # port numbers: intra egress r, intra ingress p + r, NICs
-    free = [0.0] * (2 * p + 2 * nics)
+    node = cluster.node_ids()
+    eg, ing, nic_out, nic_in, nports = _port_numbers(cluster)
+    free = [0.0] * nports
     a_l, a_g = cluster.intra_alpha, cluster.inter_alpha
     s_l, s_g = scale / cluster.intra_bandwidth, scale / cluster.inter_bandwidth
     g = cluster.gamma * scale
-    inf = math.inf
+    last = (math.inf, p)  # a heap key that sorts after every real one
+    ordered = shared is None or bool(shared)
+    routes = [{} for _ in range(p)]  # per rank: peer -> (egress, ingress, s/byte, alpha, ...)
+
+    def route(s, d):
+        if node[s] == node[d]:
+            pe, pi, spb, lat, inter = eg[s], ing[d], s_l, a_l, False
+        else:
+            pe, pi, spb, lat, inter = nic_out[s], nic_in[d], s_g, a_g, True
+        must_wait = shared is None or pe in shared or pi in shared
+        r = routes[s][d] = (pe, pi, spb, lat, must_wait, inter)
+        return r
 
     clock = [0.0] * p
     pc = [0] * p
@@ -271,8 +297,8 @@ def _replay(cluster, logs, scale, ordered, timeline):
     unexpected = {}  # (src, dst, tag) -> deque of (arrival, nbytes): sent, not yet received
     posted = {}  # (src, dst, tag) -> deque of (request index, nbytes): posted, not yet sent
     messages, intra, inter = 0, 0.0, 0.0
-    heap = [(0.0, r) for r in range(p)]  # sorted, so already a heap
-    ready = list(range(p - 1, -1, -1))
+    heap = [(0.0, r) for r in range(p)]  # keys: lower bounds of each runnable rank's clock
+    ready = list(range(p - 1, -1, -1))  # (no shared port: any order will do)
     heappush, heappop = heapq.heappush, heapq.heappop
 
     while True:
@@ -280,31 +306,34 @@ def _replay(cluster, logs, scale, ordered, timeline):
             if not heap:
                 break
             _, r = heappop(heap)
-            top = heap[0][0] if heap else inf
+            top = heap[0] if heap else last  # (clock, rank) of the next rank in line
         else:
             if not ready:
                 break
             r = ready.pop()
-            top = inf
-        c, i, log, rdone = clock[r], pc[r], logs[r], done[r]
+            top = last
+        c, i, log, rdone, rroutes = clock[r], pc[r], logs[r], done[r], routes[r]
         n = len(log)
         while i < n:
             op = log[i]
             kind = op[0]
             if kind == SEND:
                 _, d, tag, nb = op
-                if node[r] == node[d]:
-                    pe, pi, dur, lat = r, p + d, nb * s_l, a_l
-                    intra += nb
-                else:
-                    pe, pi, dur, lat = out0 + nic[r], in0 + nic[d], nb * s_g, a_g
+                rt = rroutes.get(d) or route(r, d)
+                if rt[4] and (c, r) > top:  # a shared port: book in (time, rank) order only
+                    heappush(heap, (c, r))
+                    break
+                pe, pi, spb, lat, _, crosses = rt
+                if crosses:
                     inter += nb
+                else:
+                    intra += nb
                 start = c
                 if free[pe] > start:
                     start = free[pe]
                 if free[pi] > start:
                     start = free[pi]
-                end = start + dur
+                end = start + nb * spb
                 free[pe] = free[pi] = end
                 rdone[i] = end
                 arrival = end + lat
@@ -321,8 +350,8 @@ def _replay(cluster, logs, scale, ordered, timeline):
                     if blocked[d] == j:
                         blocked[d] = -1
                         if ordered:
-                            wake = clock[d] if clock[d] > arrival else arrival
-                            heappush(heap, (wake, d))
+                            wake = (clock[d] if clock[d] > arrival else arrival, d)
+                            heappush(heap, wake)
                             if wake < top:
                                 top = wake
                         else:
@@ -351,9 +380,6 @@ def _replay(cluster, logs, scale, ordered, timeline):
             elif kind == COMPUTE:
                 c += op[1] * g
                 i += 1
-                if c > top:
-                    heappush(heap, (c, r))
-                    break
             else:  # WAIT or WAITALL
                 if kind == WAIT:
                     t = rdone[op[1]]
@@ -374,9 +400,6 @@ def _replay(cluster, logs, scale, ordered, timeline):
                 i += 1
                 if t > c:
                     c = t
-                    if c > top:
-                        heappush(heap, (c, r))
-                        break
         clock[r], pc[r] = c, i
 
     stuck = [r for r in range(p) if pc[r] < len(logs[r])]
@@ -458,7 +481,8 @@ class Simulator:
 
         payload=True moves real data (each rank's input: (index % 7) + rank) over threads and
         returns every rank's output in .results; keep p small (threads). hierarchical gets
-        the cluster's nodes and runs `inner` across them.
+        the cluster's nodes and runs `inner` across them ("auto": the cross-node algorithm
+        the Communicator would pick with cost_model=cluster.cost_model()).
         """
         if algorithm not in ALLREDUCE:
             raise InvalidArgumentError(f"unknown all-reduce algorithm {algorithm!r}; choose "
@@ -468,6 +492,7 @@ class Simulator:
             raise InvalidArgumentError(f"{nbytes} bytes is not a whole number of {dtype}")
         n = nbytes // dtype.itemsize
         p = cluster.size
+        inner = _inner(cluster, nbytes, inner)
         count, scale = (n, 1.0) if payload else self._shape(algorithm, n, cluster, inner)
         seg = self._segment(algorithm, count, dtype.itemsize * scale, cluster)
         key = (algorithm, p, cluster.devices_per_node, count, dtype.str, seg,
@@ -542,6 +567,16 @@ def expected_sum(count, p, dtype=np.float32):
 
 
 # -- closed forms ---------------------------------------------------------------------------
+def _inner(cluster, nbytes, inner):
+    if inner == "auto":
+        return cluster.cost_model().cross_node(nbytes, cluster.node_lists())[0]
+    if inner not in ALLREDUCE or inner == "hierarchical":
+        raise InvalidArgumentError(f"hierarchical's inner algorithm must be 'auto' or one of "
+                                   f"{tuple(a for a in ALLREDUCE if a != 'hierarchical')}, "
+                                   f"got {inner!r}")
+    return inner
+
+
 def formula(cluster, algorithm, nbytes, inner="ring"):
     """The alpha-beta-gamma closed form (ringcoll.algorithms.CostModel) with this cluster's
     parameters. It has no notion of shared links: a flat algorithm on several nodes pays the
@@ -550,6 +585,7 @@ def formula(cluster, algorithm, nbytes, inner="ring"):
     model, p = cluster.cost_model(), cluster.size
     nodes = cluster.node_lists() if cluster.nodes > 1 else None
     if algorithm == "hierarchical":
+        inner = _inner(cluster, nbytes, inner)
         k, m = cluster.devices_per_node, cluster.nodes
         local = model.allreduce("ring", nbytes, k)
         spread = [[i] for i in range(m)]
