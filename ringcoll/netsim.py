@@ -1,6 +1,6 @@
 """Network simulator: run the real algorithm code against a model of a cluster, in virtual time.
 
-    from ringcoll.netsim import Cluster, Simulator
+    from ringcoll.netsim import Cluster, Simulator, formula
     cluster = Cluster(nodes=128, devices_per_node=8)      # 1,024 ranks, one NIC per node
     sim = Simulator()
     sim.allreduce(cluster, "ring", 256 << 20).seconds     # predicted completion time
