@@ -347,13 +347,8 @@ class Communicator:
                 raise
             progress.current = None  # progress.end(), inlined; fail() needs it still set
             return out
-        try:
-            steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
-                                                                  where(self.rank, "allreduce"))
-        except InvalidArgumentError as exc:
-            self._invalid(exc, "allreduce")
-            raise
-        schedule = [getattr(step, "at", None) for step in steps]
+        steps, name, fields, schedule, result = self._checked_allreduce(x, op, algorithm, out,
+                                                                        "allreduce")
         if out is not None and isinstance(x, np.ndarray):
             self._plan = _Plan(x, out, op, algorithm, ("allreduce", name, schedule), steps,
                                fields)
@@ -369,15 +364,22 @@ class Communicator:
         blocking calls run on the caller's thread again. Do not touch x or out until wait()
         returns.
         """
+        steps, name, fields, schedule, result = self._checked_allreduce(x, op, algorithm, out,
+                                                                        "iallreduce")
+        return self._submit(partial(self._execute, partial(_run_steps, steps, result),
+                                    "allreduce", name, fields, schedule))
+
+    def _checked_allreduce(self, x, op, algorithm, out, caller):
+        """(steps, algorithm, debug fields, schedule, result) of a checked allreduce call;
+        schedule lists the bound steps' (peer, tag) for Progress. A bad argument is raised
+        after debug mode has told the other ranks (_invalid)."""
         try:
             steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
-                                                                  where(self.rank, "iallreduce"))
+                                                                  where(self.rank, caller))
         except InvalidArgumentError as exc:
             self._invalid(exc, "allreduce")
             raise
-        schedule = [getattr(step, "at", None) for step in steps]
-        return self._submit(partial(self._execute, partial(_run_steps, steps, result),
-                                    "allreduce", name, fields, schedule))
+        return steps, name, fields, [getattr(s, "at", None) for s in steps], result
 
     def _prepare_allreduce(self, x, op, algorithm, out, ctx):
         """(steps, algorithm, debug fields, result) of a checked allreduce call."""

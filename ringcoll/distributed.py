@@ -9,8 +9,8 @@
         opt.step()                                         # wait for the rest, then update
 
 Buckets (gradient fusion). Parameters are grouped, in REVERSE registration order (back
-propagation produces the last layer's gradient first), into flat buffers of at most
-`bucket_bytes` per dtype, allocated once. `opt.grads[name]` is a view into its bucket, so a
+propagation produces the last layer's gradient first), into flat buffers of one dtype and at
+most `bucket_bytes` each, allocated once. `opt.grads[name]` is a view into its bucket, so a
 backward pass can write a gradient straight into it (np.matmul(..., out=opt.grads["W"])) and
 nothing is copied (PyTorch DDP's gradient_as_bucket_view).
 
@@ -261,19 +261,22 @@ def _request_in(handle):
 
 
 def _make_buckets(params, bucket_bytes):
-    """Buckets in reverse registration order, one dtype each, at most bucket_bytes each."""
-    open_members, buckets = {}, []
+    """Buckets in reverse registration order, one dtype each, at most bucket_bytes each.
+
+    The order is kept strictly (a bucket closes when the next parameter does not fit or has
+    another dtype), so gradients that back-propagation produces early are in early buckets
+    and start averaging early, also in models that mix dtypes.
+    """
+    buckets, members, dtype, used = [], [], None, 0
     for name in reversed(list(params)):
         p = params[name]
-        members = open_members.setdefault(p.dtype, [])
-        used = sum(size for _, size, _ in members) * p.itemsize
-        if members and used + p.nbytes > bucket_bytes:
-            buckets.append(_Bucket(len(buckets), p.dtype, members))
-            members = open_members[p.dtype] = []
-        members.append((name, p.size, p.shape))
-    for dtype, members in open_members.items():
-        if members:
+        if members and (p.dtype != dtype or used + p.nbytes > bucket_bytes):
             buckets.append(_Bucket(len(buckets), dtype, members))
+            members, used = [], 0
+        members.append((name, p.size, p.shape))
+        dtype, used = p.dtype, used + p.nbytes
+    if members:
+        buckets.append(_Bucket(len(buckets), dtype, members))
     return buckets
 
 

@@ -152,13 +152,13 @@ def test_bucket_layout(bucket_bytes):
             if p.nbytes > bucket_bytes:
                 (b,) = [b for b in opt.buckets if n in b.names]
                 assert b.names == [n]
-        for dtype in {p.dtype for p in params.values()}:
-            # per dtype: buckets hold the parameters in reverse registration order, greedily
-            rev = [n for n in reversed(names) if params[n].dtype == dtype]
-            mine = [b for b in opt.buckets if b.buf.dtype == dtype]
-            assert [n for b in mine for n in b.names] == rev
-            for b, nxt in zip(mine, mine[1:]):  # closed only when the next one did not fit
-                assert b.buf.nbytes + params[nxt.names[0]].nbytes > bucket_bytes
+        # buckets hold the parameters in strict reverse registration order, greedily: a
+        # bucket closes only when the next parameter does not fit or has another dtype
+        assert [n for b in opt.buckets for n in b.names] == list(reversed(names))
+        for b, nxt in zip(opt.buckets, opt.buckets[1:]):
+            first = params[nxt.names[0]]
+            assert (b.buf.nbytes + first.nbytes > bucket_bytes
+                    or first.dtype != b.buf.dtype), (b.names, nxt.names)
         # views are disjoint: the bucket buffers do not overlap each other either
         for a in names:
             for b in names:

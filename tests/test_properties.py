@@ -26,25 +26,14 @@ from hypothesis import strategies as st
 
 import ringcoll
 
-try:
-    import ml_dtypes
+from _oracle import ALL_DTYPES as DTYPES
+from _oracle import BFLOAT16, OPS
 
-    BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is a test dependency
-    ml_dtypes = None
-    BFLOAT16 = None
+if BFLOAT16 is not None:
+    import ml_dtypes
 
 TIMEOUT = 20  # seconds a thread rank may wait: a deadlock fails instead of hanging
 
-INT_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64,
-                                    np.uint8, np.uint16, np.uint32, np.uint64)]
-FLOAT_DTYPES = [np.dtype(t) for t in (np.float16, np.float32, np.float64)]
-if BFLOAT16 is not None:
-    FLOAT_DTYPES.append(BFLOAT16)
-COMPLEX_DTYPES = [np.dtype(np.complex64), np.dtype(np.complex128)]
-DTYPES = INT_DTYPES + FLOAT_DTYPES + COMPLEX_DTYPES
-HALF_DTYPES = [d for d in (np.dtype(np.float16), BFLOAT16) if d is not None]
-OPS = ["sum", "prod", "max", "min", "avg"]
 ALGORITHMS = ["auto", "ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical"]
 MAX_P = 9
 #: examples per property: all-reduce and reduce-scatter/reduce per dtype (x15), the data
