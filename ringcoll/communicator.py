@@ -932,8 +932,8 @@ def simulate(size, fn, timeout=None, payloads=False, watch=None, **options):
 
     The Trace holds every rank's messages and receives (see Communicator.trace).
     payloads=True keeps a copy of each message's data (`msg.payload`) and where it was sent
-    from (`msg.offset_in(array)`); watch=fn(rank, buf) is called before each message a rank
-    sends or receives, and what it returns is kept as the record's `seen` (see
+    from (`msg.offset_in(array)`); watch=fn(rank, buf, sending) is called before each message
+    a rank sends or receives, and what it returns is kept as the record's `seen` (see
     ringcoll.transport.trace: `ringcoll explain` snapshots every rank's buffers with it).
 
     Example::

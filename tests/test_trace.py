@@ -567,14 +567,14 @@ def test_events_order_each_rank():
 
 
 def test_watch_sees_each_buffer_before_the_transport():
-    """watch(rank, buf) runs before each send and receive: a receive's buffer is seen before
-    the data lands in it."""
+    """watch(rank, buf, sending) runs before each send and receive: a receive's buffer is seen
+    before the data lands in it."""
     p, n = 3, 6
     outs = [np.full(n, -1.0) for _ in range(p)]
     calls = [[] for _ in range(p)]
 
-    def watch(rank, buf):
-        calls[rank].append(buf.nbytes)
+    def watch(rank, buf, sending):
+        calls[rank].append(sending)
         return buf.copy()
 
     _, trace = simulate(p, lambda comm: comm.allreduce(np.ones(n), algorithm="ring",
@@ -584,8 +584,8 @@ def test_watch_sees_each_buffer_before_the_transport():
         np.testing.assert_array_equal(m.seen, m.payload)
     first = [x for x in trace.receives if x.tag == "ring_reduce_scatter" and x.order == 0]
     assert len(first) == p and all((x.seen == -1).all() for x in first)  # out, before it lands
-    assert [len(c) for c in calls] == [len(trace.select(src=r)) + len(trace.select(dst=r))
-                                      for r in range(p)]
+    assert [(c.count(True), c.count(False)) for c in calls] == [
+        (len(trace.select(src=r)), len(trace.select(dst=r))) for r in range(p)]
 
 
 def test_comm_trace_payloads_and_gather():

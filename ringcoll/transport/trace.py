@@ -51,10 +51,11 @@ keep where the data was, so a reader can tell which part of which buffer moved:
                  gives None when they do not: then the algorithm sent from, or received into,
                  one of the communicator's scratch buffers (or some other array).
 A watch hook (`Trace(watch=fn)`, `simulate(..., watch=fn)`) sees every rank's state at every
-message: fn(rank, buf) is called on rank's thread with the array about to be sent or received
-into, before the transport is called (so before any received data lands), and whatever it
-returns is kept on the record as `seen`. `ringcoll explain` uses it to copy every rank's
-buffers step by step. Payloads and `seen` cost a copy per message: leave them off to time.
+message: fn(rank, buf, sending) is called on rank's thread with the array about to be sent
+(sending=True) or received into (False), before the transport is called (so before any
+received data lands), and whatever it returns is kept on the record as `seen`.
+`ringcoll explain` uses it to copy every rank's buffers step by step. Payloads and `seen`
+cost a copy per message: leave them off when timing.
 
 One Trace may be shared by every thread rank (ringcoll.simulate does that): it is thread-safe.
 Over MPI each process records only its own rank's sends and receives; Trace.gather(comm)
@@ -137,8 +138,8 @@ class Trace:
     """The messages (Message) and receives (Receive) recorded while tracing.
 
     `messages` is in the order the sends were recorded; `receives` likewise. payloads=True
-    keeps each message's data and addresses; watch=fn(rank, buf) is called before each
-    message a rank sends or receives (see the module docstring).
+    keeps each message's data and addresses; watch=fn(rank, buf, sending) is called before
+    each message a rank sends or receives (see the module docstring).
     """
 
     def __init__(self, messages=(), receives=(), *, payloads=False, watch=None):
@@ -324,7 +325,7 @@ class TracingTransport(Transport):
 
     def _sent(self, buf, peer, tag):
         trace, progress = self.trace, self.progress
-        seen = trace.watch(self.rank, buf) if trace.watch is not None else None
+        seen = trace.watch(self.rank, buf, True) if trace.watch is not None else None
         event = self._tick()
         step = self._steps.get(tag, 0)
         self._steps[tag] = step + 1
@@ -343,7 +344,7 @@ class TracingTransport(Transport):
 
     def _posted(self, buf, peer, tag):
         trace, progress = self.trace, self.progress
-        seen = trace.watch(self.rank, buf) if trace.watch is not None else None
+        seen = trace.watch(self.rank, buf, False) if trace.watch is not None else None
         current = progress.current
         order = self._recvs.get((peer, tag), 0)
         self._recvs[(peer, tag)] = order + 1
