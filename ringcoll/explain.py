@@ -20,10 +20,10 @@ Nothing here knows how an algorithm works: every row is read off the run itself.
   ranks reads back as |S| (i + 1) 2^32 + (the bitmask of S): every element of every message
   and buffer says which element it is and whose inputs it adds up. Both runs must send the
   same messages (checked), so the labels name the values of the first.
-- A step (a column) is read off the order each rank did things in (the trace's event
-  numbers): a message is one step after everything its sender did before sending it, and no
-  earlier than one step after its receiver's previous receive, nor before its receiver's
-  previous send (a rank sends and receives in the same step).
+- A step (a column) comes from the order each rank did things in (the trace's event numbers):
+  a message is one step after everything its sender did before sending it, and no earlier
+  than one step after its receiver's previous receive, nor before its receiver's previous
+  send (a rank sends and receives in the same step).
 - The buffers after each step are copies the run took itself: the trace's watch hook copies
   a rank's x, out, and every scratch buffer it has sent from or received into, before each
   of its messages. For a reduction each element shows the most complete sum the rank holds
@@ -40,6 +40,7 @@ import os
 import sys
 import textwrap
 from dataclasses import dataclass, field
+
 import numpy as np
 
 from .algorithms import CostModel, bruck as bruck_mod
@@ -59,14 +60,14 @@ COLLECTIVES = {  # collective -> (its algorithms, the default)
 }
 REDUCTIONS = ("allreduce", "reduce_scatter", "reduce")
 DTYPE = np.dtype(np.int64)
-LABEL = 1 << 32  # a label is (element + 1) * LABEL + (bitmask of ranks): one bit per rank
+LABEL = 1 << 32  # a label is (element + 1) * LABEL + (bitmask of ranks)
+MAX_P = 32  # the labels' low 32 bits: one per rank
 HEADER_BYTES = 48  # checks.neighbour_check: (collective, count, op, dtype name x2, itemsize)
 META_BYTES = 40  # allgather's row-count exchange: 5 int64 per rank
-MAX_P = 32  # the labels' low 32 bits: one per rank
 READABLE_P = 8  # beyond this the state tables are left out and the schedule is abbreviated
 MAX_ROWS = 64  # schedule rows shown before abbreviating
 MAX_STATE_ELEMS = 48
-SNAPSHOTS = 1 << 16  # copy the buffers at every message only while p * p * n is at most this
+SNAPSHOTS = 1 << 16  # copy the buffers at every message while p * p * n is at most this
 #: data messages: tag -> (the phase as the schedule names it, its first step's number or None)
 PHASES = {"ring_reduce_scatter": ("reduce-scatter", 0), "ring_allgather": ("all-gather", 0),
           "rd_fold": ("fold", None), "rd_exchange": ("exchange", 0), "rd_unfold": ("unfold", None),
@@ -109,7 +110,7 @@ class Example:
 
     def owned(self, r):
         """The elements rank r puts in: all, its block (allgather), or none (a broadcast's
-        non-roots, a barrier)."""
+        other ranks, a barrier)."""
         if self.collective == "allgather":
             return Partition.even(self.n, self.p).slices[r]
         if self.collective == "barrier" or (self.collective == "broadcast" and r != self.root):
@@ -119,14 +120,6 @@ class Example:
     def value(self, r, i):
         """Rank r's input at element i (allgather: its block's element i - start)."""
         return self.base * r + i - self.owned(r).start
-
-    def expected(self, i, mask):
-        """The sum of the inputs of the ranks in `mask` at element i; None if one of them puts
-        nothing there."""
-        ranks = _bits(mask)
-        if not all(self.owned(r).start <= i < self.owned(r).stop for r in ranks):
-            return None
-        return sum(self.value(r, i) for r in ranks)
 
     def inputs(self, labels=False):
         """Every rank's x: the example values, or (labels=True) each element's label."""
@@ -149,53 +142,42 @@ class Example:
         return [np.zeros(self.n, DTYPE) for _ in range(self.p)]
 
     def call(self, comm, x, out):
-        c, name = self.collective, self.algorithm
+        c, name, root = self.collective, self.algorithm, self.root
         if c == "allreduce":
             return comm.allreduce(x, algorithm=name, out=out)
-        if c == "reduce_scatter":
-            return comm.reduce_scatter(x, out=out)
-        if c == "allgather":
-            return comm.allgather(x, out=out)
+        if c in ("reduce_scatter", "allgather", "alltoall"):
+            return getattr(comm, c)(x, out=out)
         if c == "broadcast":
-            return comm.broadcast(x, root=self.root)
-        if c == "reduce":
-            return comm.reduce(x, root=self.root, out=out)
-        if c == "alltoall":
-            return comm.alltoall(x, out=out)
-        return comm.barrier()
+            return comm.broadcast(x, root=root)
+        return comm.reduce(x, root=root, out=out) if c == "reduce" else comm.barrier()
 
-    def expected_results(self, xs):
-        """What NumPy says each rank's result is, from the inputs xs (None: returns None)."""
-        p, c = self.p, self.collective
-        part = Partition.even(self.n, p)
+    def numpy(self, xs):
+        """Each rank's result as NumPy computes it from the inputs xs (None: returns None)."""
+        p, c, part = self.p, self.collective, Partition.even(self.n, self.p)
         if c == "barrier":
             return [None] * p
-        if c == "alltoall":
-            return [np.concatenate([xs[j][part.slices[r]] for j in range(p)]) for r in range(p)]
-        if c == "allgather":
-            return [np.concatenate(xs)] * p
         if c == "broadcast":
             return [xs[self.root]] * p
+        if c == "allgather":
+            return [np.concatenate(xs)] * p
+        if c == "alltoall":
+            return [np.concatenate([x[part.slices[r]] for x in xs]) for r in range(p)]
         total = np.sum(xs, axis=0)
         if c == "reduce_scatter":
             return [total[part.slices[r]] for r in range(p)]
-        if c == "reduce":
-            return [total if r == self.root else None for r in range(p)]
-        return [total] * p
+        return [total if c == "allreduce" or r == self.root else None for r in range(p)]
 
     def blocks(self):
         """(names, Partition) of the blocks the algorithm cuts the buffer into, as its
         docstring numbers them; the state table separates them with '|'."""
-        p, n, c, a = self.p, self.n, self.collective, self.algorithm
+        p, c, a = self.p, self.collective, self.algorithm
         if c in ("reduce_scatter", "allgather", "alltoall") or a == "ring":
             parts = p
-        elif a == "rabenseifner":
-            parts = fold(p)[0]
-        elif a == "hierarchical":
-            parts = max(len(m) for m in self.nodes)
+        elif a in ("rabenseifner", "hierarchical"):
+            parts = fold(p)[0] if a == "rabenseifner" else max(map(len, self.nodes))
         else:
-            return ["all"], Partition([n])
-        return [f"b{b}" for b in range(parts)], Partition.even(n, parts)
+            return ["all"], Partition([self.n])
+        return [f"b{b}" for b in range(parts)], Partition.even(self.n, parts)
 
     def block(self, lo, hi):
         """'b2' or 'b1-b3' for elements [lo, hi), or 'in b2' for a part of a block."""
@@ -208,35 +190,33 @@ class Example:
         return "in " + self.block_at(lo)
 
     def block_at(self, i):
-        """The name of the block holding element i."""
         names, part = self.blocks()
         return names[max(b for b in range(len(part)) if part.counts[b] and part.starts[b] <= i)]
 
 
-def decode(label):
-    """(element, bitmask of ranks) of a label, or None for anything else (metadata, memory
-    nothing was written to yet)."""
-    mask, high = label % LABEL, label // LABEL
-    k = mask.bit_count()
-    if label < LABEL or not k or high % k:
-        return None
-    return high // k - 1, mask
+def cells(ex, values, labels):
+    """(elements, ranks bitmasks): what each of an array of values from the run is, read off
+    its label from the labelled run. Element -1 (ranks 0) where the label is none or the value
+    is not the sum of the inputs it names: metadata, or memory nothing was written to yet."""
+    values, labels = np.asarray(values, DTYPE), np.asarray(labels, DTYPE)
+    masks, high = labels & (LABEL - 1), labels >> 32
+    k = np.maximum(np.bitwise_count(masks), 1).astype(DTYPE)
+    elements = high // k - 1
+    ok = (labels >= LABEL) & (high % k == 0) & (elements >= 0) & (elements < ex.size)
+    want = np.zeros_like(values)
+    for r in range(ex.p):  # the sum the label names: rank r's input, where r is in the mask
+        has, own = (masks >> r) & 1 == 1, ex.owned(r)
+        ok &= ~has | (elements >= own.start) & (elements < own.stop)
+        want += np.where(has, ex.value(r, elements), 0)
+    ok &= values == want
+    return np.where(ok, elements, -1), np.where(ok, masks, 0)
 
 
-def cell(ex, value, label):
-    """(element, ranks) where the two runs agree that a value is the sum of those ranks'
-    inputs at that element; None where they do not (not data of this example)."""
-    found = decode(label)
-    if found is None or not 0 <= found[0] < ex.size:
-        return None
-    return found if value == ex.expected(*found) else None
-
-
-# -- running it ---------------------------------------------------------------------------------
+# -- running it -------------------------------------------------------------------------------
 @dataclass
 class Run:
-    """One run of the example: results, Trace (with payloads), and each rank's arrays and the
-    copies of its buffers after the collective (`finals`)."""
+    """One run of the example: results, the Trace (with payloads), each rank's x and out, and
+    the copies of its buffers after the collective."""
 
     results: list
     trace: object
@@ -248,51 +228,55 @@ def run(ex, labels, snapshots):
     """Run the example on its values (or labels), traced with payloads.
 
     With snapshots, the watch hook copies a rank's buffers before each of its messages: x and
-    out first, then every buffer it has sent from, then every buffer it has received into
-    (from its next message on: until the data lands, a receive buffer holds old memory).
+    out first, then every buffer it has sent from or received into, a received one from its
+    next message on (until the data lands it holds old memory).
     """
     from .communicator import simulate
 
     xs, outs = ex.inputs(labels), ex.outputs()
-    arrays = [[a for a in (x, out) if a is not None] for x, out in zip(xs, outs)]
-    views = [list(a) for a in arrays]  # what each rank's snapshots copy
-    known = [{_key(a) for a in own} for own in arrays]
-    waiting = [[] for _ in range(ex.p)]  # receive buffers whose data has not landed yet
-    finals = [None] * ex.p
+    arrays = [[a for a in pair if a is not None] for pair in zip(xs, outs)]
+    views, known = [list(a) for a in arrays], [{_key(a) for a in own} for own in arrays]
+    landing, finals = [[] for _ in range(ex.p)], [None] * ex.p  # landing: receives in flight
 
-    def admit(rank, buf):
-        if _key(buf) not in known[rank]:
-            known[rank].add(_key(buf))
-            views[rank].append(buf)
+    def admit(rank, bufs):
+        for buf in bufs:
+            if _key(buf) not in known[rank]:
+                known[rank].add(_key(buf))
+                views[rank].append(buf)
 
     def watch(rank, buf, sending):
-        for got in waiting[rank]:
-            admit(rank, got)
-        waiting[rank] = [] if sending else [buf]
-        if sending:
-            admit(rank, buf)
+        admit(rank, landing[rank] + ([buf] if sending else []))
+        landing[rank] = [] if sending else [buf]
         return [v.copy() for v in views[rank]]
 
     def fn(comm):
         r = comm.rank
         result = ex.call(comm, xs[r], outs[r])
-        for got in waiting[r]:
-            admit(r, got)
+        admit(r, landing[r])
         finals[r] = [v.copy() for v in views[r]]
         return result
 
-    segment = max(64, ex.n * DTYPE.itemsize)  # one message per block: no pipeline segments
-    results, trace = simulate(ex.p, fn, timeout=60, payloads=True,
-                              watch=watch if snapshots else None,
-                              local_size=len(ex.nodes[0]) if ex.algorithm == "hierarchical"
-                              else None,
-                              debug=False, segment_bytes=segment, tuning=False,
-                              cost_model=CostModel())
+    results, trace = simulate(
+        ex.p, fn, timeout=60, payloads=True, watch=watch if snapshots else None,
+        local_size=len(ex.nodes[0]) if ex.algorithm == "hierarchical" else None, debug=False,
+        segment_bytes=max(64, ex.n * DTYPE.itemsize),  # one message per block: no segments
+        tuning=False, cost_model=CostModel())
     return Run(results, trace, arrays, finals)
 
 
 def _key(a):
     return a.__array_interface__["data"][0], a.nbytes, a.dtype.str
+
+
+def check_results(ex, values, labels):
+    """Each rank's result against NumPy on the inputs, in both runs: on the labels that means
+    every element holds every contributing rank's input exactly once."""
+    for run, flag in ((values, False), (labels, True)):
+        for r, (got, want) in enumerate(zip(run.results, ex.numpy(ex.inputs(flag)))):
+            if (got is None) != (want is None) or want is not None and not np.array_equal(
+                    np.asarray(got).reshape(-1), want):
+                raise ExplainError(f"rank {r}: the {ex.collective} returned {_values(got)}, "
+                                   f"NumPy says {_values(want)}" + " (labels)" * flag)
 
 
 # -- reading the run: steps, messages, buffers ------------------------------------------------
@@ -306,15 +290,15 @@ class Step:
     dst: int
     tag: str
     nbytes: int
-    cells: list | None  # (element, ranks bitmask) of each element it carries; None: control
+    cells: tuple | None  # (elements, ranks bitmasks) of what it carries; None: control
     values: np.ndarray  # what it carried in the run on the example values
-    frm: tuple | None  # (buffer, offset) it was sent from: ("x", 6), ("out", 4); None: scratch
-    to: tuple | None  # (buffer, offset) it was received into
+    frm: tuple | None  # where it was sent from: ("x", offset) or ("out", offset); None: scratch
+    to: tuple | None  # where it was received
     action: str = "-"  # what the receiver made of it
 
 
 def columns(messages, receives):
-    """Each message's step, read off the order each rank did things in (Message.event and
+    """Each message's step, from the order each rank did things in (Message.event and
     Receive.event): one step after everything its sender did before sending it; no earlier
     than one step after its receiver's previous receive, nor before its receiver's previous
     send (a rank sends and receives one message of a step at once). So a step holds what the
@@ -325,15 +309,14 @@ def columns(messages, receives):
         done.setdefault(m.src, []).append((m.event, "send", k))
         done.setdefault(m.dst, []).append(
             (receive[(m.src, m.dst, m.tag, m.order)].event, "recv", k))
-    before = {}  # (kind, k) -> {"send": last message sent, "recv": last received} before it
+    before = {}  # (kind, k) -> {"send": the last message sent, "recv": received} before it
     for events in done.values():
         last = {"send": None, "recv": None}
         for _, kind, k in sorted(events):
             before[(kind, k)] = dict(last)
             last[kind] = k
-
-    # the longest path through those constraints: relax until nothing moves. (A ring's sends
-    # constrain each other in a circle, each no later than the next: no order to recurse in.)
+    # The longest path through those constraints: relax until nothing moves. (A ring's sends
+    # hold each other back in a circle, each no later than the next: no order to recurse in.)
     column, moved = [0] * len(messages), True
     while moved:
         moved = False
@@ -341,8 +324,7 @@ def columns(messages, receives):
             sender, receiver = before[("send", k)], before[("recv", k)]
             later = [column[j] + 1 for j in (sender["send"], sender["recv"], receiver["recv"])
                      if j is not None]
-            if receiver["send"] is not None:
-                later.append(column[receiver["send"]])
+            later += [column[receiver["send"]]] if receiver["send"] is not None else []
             if max(later, default=0) > column[k]:
                 column[k], moved = max(later), True
     return column
@@ -350,7 +332,7 @@ def columns(messages, receives):
 
 def read_steps(ex, values, labels):
     """(Steps, moments): the run's messages as Steps, and for each rank the copies of its
-    buffers it took at each of its messages, [(event, step, (value copies, label copies))].
+    buffers taken at each of its messages, [(event, step, (value copies, label copies))].
 
     Raises ExplainError unless both runs sent the same messages and every data message carries
     exactly the sums its labels name."""
@@ -360,34 +342,31 @@ def read_steps(ex, values, labels):
     ma, mb = sorted(values.trace.messages, key=key), sorted(labels.trace.messages, key=key)
     if [(m.src, m.dst, m.tag, m.nbytes, m.event) for m in ma] != [
             (m.src, m.dst, m.tag, m.nbytes, m.event) for m in mb]:
-        raise ExplainError("the run on the example values and the run on the labels sent "
-                           "different messages")
+        raise ExplainError("the runs on the example values and on the labels sent different "
+                           "messages")
     got = [{(x.src, x.dst, x.tag, x.order): x for x in run.trace.receives}
            for run in (values, labels)]
-    steps, moments, count = [], {r: [] for r in range(ex.p)}, {}
     cols = columns(ma, values.trace.receives)
     start = {m.tag: min(c for c, x in zip(cols, ma) if x.tag == m.tag) for m in ma}
+    steps, moments, count = [], {r: [] for r in range(ex.p)}, {}
     for m, b, col in zip(ma, mb, cols):
         tag = m.tag.partition(" (")[0]
-        control = m.payload.dtype != DTYPE or bool(m.nbytes and np.array_equal(m.payload,
-                                                                                b.payload))
-        cells = None if control else [
-            cell(ex, v, lab) for v, lab in zip(m.payload.tolist(), b.payload.tolist())]
-        if cells is not None and None in cells or control and tag not in CONTROL:
-            raise ExplainError(
-                f"rank {m.src}'s message #{m.index} to rank {m.dst} ({m.tag}) carries "
-                f"{_values(m.payload)}: not the sums of the inputs its labels name")
+        control = m.payload.dtype != DTYPE or bool(m.nbytes) and np.array_equal(m.payload,
+                                                                                b.payload)
+        found = None if control else cells(ex, m.payload, b.payload)
+        if (found[0] < 0).any() if found is not None else tag not in CONTROL:
+            raise ExplainError(f"rank {m.src}'s message #{m.index} to rank {m.dst} ({m.tag}) "
+                               f"carries {_values(m.payload)}, not the sums its labels name")
         name, first = CONTROL[tag][:2] if control else PHASES[tag]
         k = count[(m.src, m.tag, control)] = count.get((m.src, m.tag, control), -1) + 1
-        if tag in ROUNDS:
-            k = col - start[m.tag]
-        phase = name if first is None else f"{name} {first + k}"
+        if first is not None:  # a tree's round is the step; elsewhere the sender's k-th
+            name += f" {first + (col - start[m.tag] if tag in ROUNDS else k)}"
         if m.tag != tag:  # hierarchical's sub-groups: a node's ring, or a block's cross-node
-            same = any(m.src in node and m.dst in node for node in ex.nodes)
-            phase = ("node " if same or not cells
-                     else f"{ex.block_at(cells[0][0])} cross-node ") + phase
+            node = any(m.src in nodes and m.dst in nodes for nodes in ex.nodes)
+            name = ("node " if node or not m.nbytes else
+                    f"{ex.block_at(int(found[0][0]))} cross-node ") + name
         ra, rb = (g[(m.src, m.dst, m.tag, m.order)] for g in got)
-        steps.append(Step(col, phase, m.src, m.dst, m.tag, m.nbytes, cells, m.payload,
+        steps.append(Step(col, name, m.src, m.dst, m.tag, m.nbytes, found, m.payload,
                           _where(m, values.arrays[m.src]), _where(ra, values.arrays[m.dst])))
         moments[m.src].append((m.event, col, (m.seen, b.seen)))
         moments[m.dst].append((ra.event, col, (ra.seen, rb.seen)))
@@ -395,59 +374,57 @@ def read_steps(ex, values, labels):
 
 
 def _where(record, arrays):
-    """(buffer name, element offset) a message was sent from or received into: x or out; None
+    """("x" or "out", element offset) where a message was sent from or received into, or None
     for one of the communicator's scratch buffers."""
-    for array, name in zip(arrays, ("x", "out")):
-        at = record.offset_in(array)
-        if at is not None:
-            return name, at
-    return None
+    return next(((name, at) for name, at in
+                 zip(("x", "out"), (record.offset_in(a) for a in arrays)) if at is not None),
+                None)
 
 
 def _runs(cells):
-    """[[lo, hi, ranks]]: the cells as ranges of consecutive elements with the same ranks."""
-    out = []
-    for i, mask in cells:
-        if out and out[-1][1] == i and out[-1][2] == mask:
-            out[-1][1] += 1
-        else:
-            out.append([i, i + 1, mask])
-    return out
-
-
-def holding(ex, vals, labs):
-    """One rank's buffer as the state table shows it, from one snapshot (the copies of its
-    buffers in both runs): for each element, (value, ranks) of the most complete sum it holds
-    in any of them, its own x and out winning ties; (None, 0) where it holds nothing. For an
-    all-to-all, whose elements change places, simply its out buffer."""
-    if ex.collective == "alltoall":
-        found = [cell(ex, v, lab) for v, lab in zip(vals[1].tolist(), labs[1].tolist())]
-        return [(v, c[1]) if c else (None, 0) for v, c in zip(vals[1].tolist(), found)]
-    best = [(None, 0)] * ex.size
-    for va, la in zip(vals, labs):
-        for v, lab in zip(va.tolist(), la.tolist()):
-            found = cell(ex, v, lab)
-            if found and found[1].bit_count() > best[found[0]][1].bit_count():
-                best[found[0]] = (v, found[1])
-    return best
+    """[(lo, hi, ranks)]: a message's cells as ranges of consecutive elements with the same
+    ranks."""
+    elements, masks = cells
+    cut = np.flatnonzero((np.diff(elements) != 1) | (np.diff(masks) != 0)) + 1
+    bounds = [0, *cut.tolist(), elements.size] if elements.size else []
+    return [(int(elements[a]), int(elements[b - 1]) + 1, int(masks[a]))
+            for a, b in zip(bounds, bounds[1:])]
 
 
 class Buffers:
-    """Every rank's buffer after each step, from the copies the run took (see holding)."""
+    """Every rank's buffer after each step, from the copies the run took."""
 
     def __init__(self, ex, moments, values, labels):
         self.ex, self.moments = ex, moments
-        self.finals = [(a, b) for a, b in zip(values.finals, labels.finals)]
-        self._seen = {}
+        self.finals = list(zip(values.finals, labels.finals))
+        self._read = {}
 
     def after(self, rank, step):
-        """Rank r's buffer after `step` (-1: before the first): the copies it took at its first
-        message of a later step, before touching it, or else after the collective."""
-        if (rank, step) not in self._seen:
+        """Rank r's buffer after `step` (-1: before the first), (values, ranks bitmasks) per
+        element: from the copies it took at its first message of a later step, before touching
+        it, or else after the collective; ranks 0 where it holds nothing yet."""
+        if (rank, step) not in self._read:
             copies = next((seen for _, col, seen in self.moments[rank] if col > step),
                           self.finals[rank])
-            self._seen[(rank, step)] = holding(self.ex, *copies)
-        return self._seen[(rank, step)]
+            self._read[(rank, step)] = self.holding(*copies)
+        return self._read[(rank, step)]
+
+    def holding(self, vals, labs):
+        """(values, ranks) of the most complete sum the rank holds for each element in any of
+        its buffers, its own x and out winning ties. An all-to-all's elements change places:
+        for it, simply its out buffer."""
+        ex = self.ex
+        if ex.collective == "alltoall":
+            return vals[1], cells(ex, vals[1], labs[1])[1]
+        va, la = np.concatenate(vals), np.concatenate(labs)  # x and out first
+        elements, masks = cells(ex, va, la)
+        ranks = np.bitwise_count(masks).astype(DTYPE)
+        order = np.lexsort((np.arange(va.size), -ranks, elements))  # most ranks, then earliest
+        pick = order[np.unique(elements[order], return_index=True)[1]]
+        pick = pick[elements[pick] >= 0]
+        best = np.zeros(ex.size, DTYPE), np.zeros(ex.size, DTYPE)
+        best[0][elements[pick]], best[1][elements[pick]] = va[pick], masks[pick]
+        return best
 
 
 def knowledge(ex, steps):
@@ -466,33 +443,21 @@ def knowledge(ex, steps):
 def action(ex, s, knows, buffers):
     """What the receiver made of a message, from its buffer before and after the step."""
     if s.cells is None:
-        did = CONTROL[s.tag.partition(" (")[0]][3]
+        did = CONTROL[s.tag][3]
         return did or f"now knows ranks {_ranks(_bits(knows[s.column][s.src]))} arrived"
-    if buffers is None or not s.cells:
+    if buffers is None or not s.nbytes:
         return "-"
-    after, before = buffers.after(s.dst, s.column), buffers.after(s.dst, s.column - 1)
-    if ex.collective == "alltoall":  # it lands elsewhere than where the sender had it
-        lo = s.to[1]
-        return f"copy into its {ex.block(lo, lo + len(s.cells))}"
+    if ex.collective == "alltoall":  # it lands elsewhere than where its sender had it
+        return f"copy into its {ex.block(s.to[1], s.to[1] + s.values.size)}"
     block = ", ".join(ex.block(lo, hi) for lo, hi, _ in _runs(s.cells))
-    now = [after[i][1] for i, _ in s.cells]
-    if now == [mask for _, mask in s.cells]:
+    elements, masks = s.cells
+    now = buffers.after(s.dst, s.column)[1][elements]
+    if (now == masks).all():
         return f"copy into {block}"
-    if all(a & m == m and a != m for a, (_, m) in zip(now, s.cells)):
-        own = all(before[i][1] == 1 << s.dst for i, _ in s.cells)
+    if ((now & masks) == masks).all() and (now != masks).all():
+        own = (buffers.after(s.dst, s.column - 1)[1][elements] == 1 << s.dst).all()
         return f"reduce into {block} (+ its {'input' if own else 'own'})"
     return "keep in scratch"
-
-
-def check_results(ex, values, labels):
-    """Each rank's result against NumPy on the inputs, in both runs: on the labels that means
-    every element holds every contributing rank's input exactly once."""
-    for run, flag in ((values, False), (labels, True)):
-        for r, (got, want) in enumerate(zip(run.results, ex.expected_results(ex.inputs(flag)))):
-            if want is None and got is not None or want is not None and not np.array_equal(
-                    np.asarray(got).reshape(-1), want):
-                raise ExplainError(f"rank {r}: the {ex.collective} returned {_values(got)}, "
-                                   f"NumPy says {_values(want)}" + (" (labels)" if flag else ""))
 
 
 # -- closed forms: bytes per rank, and the alpha-beta-gamma cost ------------------------------
@@ -503,8 +468,7 @@ def _ring_elems(p, i, n):
 
 def _rd_elems(p, i, n):
     core, rem = fold(p)
-    steps = core.bit_length() - 1
-    each = n if i < 2 * rem and i % 2 == 0 else (steps + (i < 2 * rem)) * n
+    each = n if i < 2 * rem and i % 2 == 0 else (core.bit_length() - 1 + (i < 2 * rem)) * n
     return each, each
 
 
@@ -539,21 +503,28 @@ FORMULA_TEXT = {
                     "2S - s[i] - s[i+1] sent, 2S - s[i-1] - s[i] received, s = shard sizes, "
                     "S = n), plus the cross-node algorithm's closed form on each block this "
                     "rank owns",
+    "reduce_scatter": "n - c[r] elements sent, n - c[r-1] received (c[b]: block b's size; "
+                      "(p-1)/p n when p divides n), plus the 48-byte header check each way",
+    "allgather": "n - c[r+1] elements sent, n - c[r] received (n: the gathered size; (p-1)/p n "
+                 "when p divides n), plus p-1 row-count messages of 40 bytes each way",
+    "tree": "n times the number of children in the binomial tree (v = (rank - root) % p: v + "
+            "2^j for each 2^j below v's lowest set bit), and n from the parent",
+    "alltoall": "(p-1)/p n each way (n: one rank's input)",
+    "barrier": "ceil(log2 p) one-byte tokens each way",
 }
 
 
 def byte_formula(ex):
     """(text, [(sent, received) bytes per rank]) from the closed forms."""
     p, n, c, a, w = ex.p, ex.n, ex.collective, ex.algorithm, DTYPE.itemsize
-    hdr = HEADER_BYTES if p > 1 else 0
-    cnt = Partition.even(n, p).counts
+    hdr, cnt = HEADER_BYTES if p > 1 else 0, Partition.even(n, p).counts
     if c == "allreduce" and a != "hierarchical":
         extra = hdr if a == "ring" else 0
         return FORMULA_TEXT[a], [(s * w + extra, g * w + extra)
                                  for s, g in (ELEMS[a](p, r, n) for r in range(p))]
     if c == "allreduce":
-        L = max(len(m) for m in ex.nodes)
-        part, rows = Partition.even(n, L), []
+        L, rows = max(map(len, ex.nodes)), []
+        part = Partition.even(n, L)
         for r in range(p):
             m = next(m for m in ex.nodes if r in m)
             k, i = len(m), m.index(r)
@@ -568,15 +539,12 @@ def byte_formula(ex):
             rows.append((sent * w + hdr, got * w + hdr))
         return FORMULA_TEXT[a] + f" (here {ex.inner})", rows
     if c == "reduce_scatter":
-        return ("n - c[r] elements sent, n - c[r-1] received (c[b]: block b's size; "
-                "(p-1)/p n when p divides n), plus the 48-byte header check each way",
-                [((n - cnt[r]) * w + hdr, (n - cnt[(r - 1) % p]) * w + hdr) for r in range(p)])
+        return FORMULA_TEXT[c], [((n - cnt[r]) * w + hdr, (n - cnt[(r - 1) % p]) * w + hdr)
+                                 for r in range(p)]
     if c == "allgather":
         meta = (p - 1) * META_BYTES
-        return ("n - c[r+1] elements sent, n - c[r] received (n: the gathered size; "
-                "(p-1)/p n when p divides n), plus p-1 row-count messages of 40 bytes each way",
-                [((n - cnt[(r + 1) % p]) * w + meta, (n - cnt[r]) * w + meta)
-                 for r in range(p)])
+        return FORMULA_TEXT[c], [((n - cnt[(r + 1) % p]) * w + meta, (n - cnt[r]) * w + meta)
+                                 for r in range(p)]
     if c in ("broadcast", "reduce"):
         rows = []
         for r in range(p):
@@ -585,58 +553,55 @@ def byte_formula(ex):
             kids = sum(1 for j in range(low.bit_length()) if 1 << j < low and v + (1 << j) < p)
             down, up = kids * n * w, (n * w if v else 0)
             rows.append((down, up) if c == "broadcast" else (up, down))
-        return ("n times the number of children in the binomial tree (v = (rank - root) % p: "
-                "v + 2^j for each 2^j below v's lowest set bit), and n from the parent"
-                + (" received" if c == "broadcast" else " sent"), rows)
-    if c == "alltoall":
-        each = (p - 1) * (n // p) * w
-        return "(p-1)/p n each way (n: one rank's input)", [(each, each)] * p
-    rounds = math.ceil(math.log2(p)) if p > 1 else 0
-    return "ceil(log2 p) one-byte tokens each way", [(rounds, rounds)] * p
+        return FORMULA_TEXT["tree"] + (" received" if c == "broadcast" else " sent"), rows
+    each = (p - 1) * (n // p) * w if c == "alltoall" else math.ceil(math.log2(p)) if p > 1 else 0
+    return FORMULA_TEXT[c], [(each, each)] * p
+
+
+COST_TEXT = {
+    "ring": "2(p-1) a + 2(p-1)/p n b + (p-1)/p n g",
+    "recursive_doubling": "log2(p') (a + n b + n g) + fold (2 a + 2 n b + n g if p != p')",
+    "rabenseifner": "2 log2(p') a + 2(p'-1)/p' n b + (p'-1)/p' n g + fold (2 a + 2 n b + n g)",
+    "bruck": "ceil(log2 p) a + (p-1) n b + (p-1) n g",
+    "hierarchical": "2(k-1) a + 2(k-1)/k n b + (k-1)/k n g inside the node, + the cheapest flat "
+                    "all-reduce of n/k bytes across the N nodes",
+    "reduce_scatter": "(p-1) a + (p-1)/p n b + (p-1)/p n g",
+    "allgather": "(p-1) a + (p-1)/p n b",
+    "broadcast": "ceil(log2 p) (a + n b)",
+    "reduce": "ceil(log2 p) (a + n b + n g)",
+    "alltoall": "(p-1) a + (p-1)/p n b",
+    "barrier": "ceil(log2 p) a",
+}
 
 
 def cost(ex):
-    """(formula, [(term, count, unit, seconds)], total seconds) with CostModel's defaults; an
-    all-reduce's terms must add up to CostModel.allreduce (ExplainError if not)."""
-    cm, p, nb, a = CostModel(), ex.p, ex.n * DTYPE.itemsize, ex.algorithm
-    lg, (core, rem) = (math.ceil(math.log2(p)) if p > 1 else 0), fold(p)
-    steps, f, k = core.bit_length() - 1, 1 if rem else 0, max(map(len, ex.nodes or [[0]]))
-    forms = {  # -> (formula, alphas, bytes moved, bytes reduced)
-        "ring": ("2(p-1) a + 2(p-1)/p n b + (p-1)/p n g",
-                 2 * (p - 1), 2 * (p - 1) / p * nb, (p - 1) / p * nb),
-        "recursive_doubling": ("log2(p') (a + n b + n g) + fold (2 a + 2 n b + n g if p != p')",
-                               steps + 2 * f, (steps + 2 * f) * nb, (steps + f) * nb),
-        "rabenseifner": ("2 log2(p') a + 2(p'-1)/p' n b + (p'-1)/p' n g + fold (2 a + 2 n b + "
-                         "n g)", 2 * steps + 2 * f, 2 * (core - 1) / core * nb + 2 * nb * f,
-                         (core - 1) / core * nb + nb * f),
-        "bruck": ("ceil(log2 p) a + (p-1) n b + (p-1) n g", lg, (p - 1) * nb, (p - 1) * nb),
-        "hierarchical": ("2(k-1) a + 2(k-1)/k n b + (k-1)/k n g inside the node, + the cheapest "
-                         "flat all-reduce of n/k bytes across the N nodes",
-                         2 * (k - 1), 2 * (k - 1) / k * nb, (k - 1) / k * nb),
-        "reduce_scatter": ("(p-1) a + (p-1)/p n b + (p-1)/p n g",
-                           p - 1, (p - 1) / p * nb, (p - 1) / p * nb),
-        "allgather": ("(p-1) a + (p-1)/p n b", p - 1, (p - 1) / p * nb, 0),
-        "broadcast": ("ceil(log2 p) (a + n b)", lg, lg * nb, 0),
-        "reduce": ("ceil(log2 p) (a + n b + n g)", lg, lg * nb, lg * nb),
-        "alltoall": ("(p-1) a + (p-1)/p n b", p - 1, (p - 1) / p * nb, 0),
-        "barrier": ("ceil(log2 p) a", lg, 0, 0)}
-    text, na, moved, reduced = forms[a if ex.collective == "allreduce" else ex.collective]
-    terms = [("a", na, "", na * cm.alpha), ("b", moved, " B", moved * cm.beta),
-             ("g", reduced, " B", reduced * cm.gamma)]
-    if a == "hierarchical":
+    """(formula, [(term, count, unit, seconds)], total seconds) with CostModel's defaults. A
+    flat all-reduce's counts are CostModel's own: its formula read with one unit of a, b or g
+    at a time."""
+    cm, p, nb, c, a = CostModel(), ex.p, ex.n * DTYPE.itemsize, ex.collective, ex.algorithm
+    lg, k = math.ceil(math.log2(p)) if p > 1 else 0, max(map(len, ex.nodes or [[0]]))
+    text = COST_TEXT[a if c == "allreduce" else c]
+    if c == "allreduce" and a != "hierarchical":
+        counts = [CostModel(*unit).allreduce(a, nb, p) for unit in ((1, 0, 0), (0, 1, 0),
+                                                                    (0, 0, 1))]
+        if math.isinf(counts[0]):  # Bruck above MAX_BYTES: the model rules it out
+            counts = [lg, (p - 1) * nb, (p - 1) * nb]
+            text += f" (CostModel: inf above {bruck_mod.MAX_BYTES} B, auto never picks it)"
+    else:  # (alphas, bytes moved, bytes reduced); hierarchical: inside the node
+        counts = {"hierarchical": (2 * (k - 1), 2 * (k - 1) / k * nb, (k - 1) / k * nb),
+                  "reduce_scatter": (p - 1, (p - 1) / p * nb, (p - 1) / p * nb),
+                  "allgather": (p - 1, (p - 1) / p * nb, 0), "broadcast": (lg, lg * nb, 0),
+                  "reduce": (lg, lg * nb, lg * nb), "alltoall": (p - 1, (p - 1) / p * nb, 0),
+                  "barrier": (lg, 0, 0)}[a if c == "allreduce" else c]
+    terms = [(name, x, unit, x * rate) for (name, unit, rate), x in
+             zip((("a", "", cm.alpha), ("b", " B", cm.beta), ("g", " B", cm.gamma)), counts)]
+    if c == "allreduce" and a == "hierarchical":
         inner, secs = cm.cross_node(nb, ex.nodes) if p > 1 else ("-", 0.0)
         terms.append((f"cross-node {inner} of {nb // k} B on {len(ex.nodes)} ranks", None, "",
                       secs))
-    total = sum(t[3] for t in terms)
-    if ex.collective == "allreduce":
-        model = cm.allreduce(a, nb, p, ex.nodes if a == "hierarchical" else None)
-        if a == "bruck" and nb > bruck_mod.MAX_BYTES:
-            text += f" (CostModel: inf above {bruck_mod.MAX_BYTES} B, auto never picks it)"
-        elif not math.isclose(total, model, rel_tol=1e-9, abs_tol=1e-15):
-            raise ExplainError(f"the cost terms add up to {total} s, CostModel.allreduce says "
-                               f"{model} s")
-        total = model
-    return text, terms, total
+    if c == "allreduce":
+        return text, terms, cm.allreduce(a, nb, p, ex.nodes if a == "hierarchical" else None)
+    return text, terms, sum(t[3] for t in terms)
 
 
 # -- printing ---------------------------------------------------------------------------------
@@ -657,8 +622,7 @@ def _ranks(ranks):
 
 
 def _who(mask, p):
-    ranks = _bits(mask)
-    return "all" if len(ranks) == p else "+".join(map(str, ranks))
+    return "all" if len(_bits(mask)) == p else "+".join(map(str, _bits(mask)))
 
 
 def _values(a, limit=40):
@@ -675,11 +639,12 @@ def _table(header, rows, right=()):
             for row in [header, *rows]]
 
 
-def _merge(labels):
-    """['b0 cross-node exchange 0', 'b1 cross-node exchange 0'] -> 'cross-node exchange 0
-    (b0, b1)': one step's label, from the phases of its messages."""
+def step_label(steps, column):
+    """A step's label, from the phases of its messages: 'b0 cross-node exchange 0' and 'b1
+    cross-node exchange 0' make 'cross-node exchange 0 (b0, b1)'."""
     groups = {}
-    for label in dict.fromkeys(labels):
+    for label in dict.fromkeys(s.phase for s in sorted(steps, key=lambda s: s.src)
+                               if s.column == column):
         head, _, rest = label.partition(" ")
         if head[:1] == "b" and head[1:].isdigit() and rest:
             groups.setdefault(rest, []).append(head)
@@ -689,15 +654,9 @@ def _merge(labels):
                      for rest, heads in groups.items())
 
 
-def step_label(steps, column):
-    return _merge([s.phase for s in sorted(steps, key=lambda s: s.src) if s.column == column])
-
-
 def _place(where, nbytes):
-    if where is None:
-        return "scratch"
-    name, at = where
-    return f"{name}[{at}:{at + nbytes // DTYPE.itemsize})"
+    return "scratch" if where is None else \
+        f"{where[0]}[{where[1]}:{where[1] + nbytes // DTYPE.itemsize})"
 
 
 def schedule_rows(ex, steps):
@@ -707,92 +666,82 @@ def schedule_rows(ex, steps):
     for c in sorted({s.column for s in steps}):
         here = sorted((s for s in steps if s.column == c), key=lambda s: s.src)
         control = [s for s in here if s.cells is None]
-        alike = ({(s.src, s.dst) for s in control} == {(r, (r + 1) % ex.p) for r in range(ex.p)}
-                 and len({(s.phase, s.nbytes, s.action) for s in control}) == 1)
-        if alike:
-            s = control[0]
+        if ({(s.src, s.dst) for s in control} == {(r, (r + 1) % ex.p) for r in range(ex.p)}
+                and len({(s.phase, s.nbytes, s.action) for s in control}) == 1):
+            s, here = control[0], [s for s in here if s.cells is not None]
             rows.append((c, s.phase, "r -> r+1", CONTROL[s.tag][2], "-", s.nbytes, "-",
                          s.action))
         for s in here:
-            if s.cells is None and not alike:
-                rows.append((c, s.phase, f"{s.src} -> {s.dst}", CONTROL[s.tag][2], "-",
-                             s.nbytes, "-", s.action))
-            elif s.cells is not None:
-                sums = ex.collective in REDUCTIONS
-                block = ", ".join(ex.block(lo, hi) + (f"={_who(m, ex.p)}" if sums else "")
+            block, where, values = CONTROL[s.tag][2] if s.cells is None else "-", "-", "-"
+            if s.cells is not None:
+                block = ", ".join(ex.block(lo, hi) + (f"={_who(m, ex.p)}" if ex.collective
+                                                      in REDUCTIONS else "")
                                   for lo, hi, m in _runs(s.cells)) or "-"
-                where = (f"{_place(s.frm, s.nbytes)} -> {_place(s.to, s.nbytes)}"
-                         if s.nbytes else "-")
-                rows.append((c, s.phase, f"{s.src} -> {s.dst}", block, where, s.nbytes,
-                             _values(s.values, 28), s.action))
+                where = f"{_place(s.frm, s.nbytes)} -> {_place(s.to, s.nbytes)}" * bool(
+                    s.nbytes) or "-"
+                values = _values(s.values, 28)
+            rows.append((c, s.phase, f"{s.src} -> {s.dst}", block, where, s.nbytes, values,
+                         s.action))
     return rows
 
 
 def schedule_lines(ex, steps):
     rows = schedule_rows(ex, steps)
-    header = ("step", "phase", "send", "block", "from -> into", "bytes", "values",
-              "receiver does")
-    lines = _table(header, rows, right=(0, 5))
+    lines = _table(("step", "phase", "send", "block", "from -> into", "bytes", "values",
+                    "receiver does"), rows, right=(0, 5))
     if len(rows) > MAX_ROWS:
-        left = len(rows) - MAX_ROWS
-        lines = (lines[:1 + MAX_ROWS - 8]
-                 + [f"... {left} more rows (all checked) ..."] + lines[-8:])
+        lines[MAX_ROWS - 7:-8] = [f"... {len(rows) - MAX_ROWS} more rows (all checked) ..."]
     return lines
 
 
 def state_lines(ex, steps, knows, buffers):
     """Every rank's buffer before the first step that moves data, and after each such step."""
     data = sorted({s.column for s in steps if s.cells is not None or ex.collective == "barrier"})
-    shown = [(-1 if not data else data[0] - 1, "start")] + [
+    shown = [(data[0] - 1 if data else -1, "start")] + [
         (c, f"after step {c} ({step_label(steps, c)})") for c in data]
     names, part = ex.blocks()
     width = max([len(str(v)) for c, _ in shown for r in range(ex.p)
-                 for v, _ in buffers.after(r, c) if v is not None] + [1])
+                 for v, m in zip(*map(np.ndarray.tolist, buffers.after(r, c))) if m] + [1])
     lines = []
     for c, title in shown:
         lines.append(title + ":")
         for r in range(ex.p):
-            known = knows[c + 1][r]
+            known, (vals, masks) = knows[c + 1][r], buffers.after(r, c)
             if ex.collective == "barrier":
                 lines.append(f"  r{r}  " + ("has arrived" if known == 1 << r else
                                             f"knows ranks {_ranks(_bits(known))} have arrived"))
                 continue
-            held = buffers.after(r, c)
-            cells, sums, holds = [], [], 0
+            cells, notes, holds = [], [], 0
             for b, sl in enumerate(part.slices):
-                cells.append(" ".join("." * width if not m else f"{v:>{width}}"
-                                      for v, m in held[sl]))
-                masks = {m for _, m in held[sl]}
-                holds |= np.bitwise_or.reduce(list(masks)) if masks else 0
-                if ex.collective in REDUCTIONS and sl.stop > sl.start and masks - {0, 1 << r}:
-                    who = _who(masks.pop(), ex.p) if len(masks) == 1 else "mixed"
-                    sums.append(f"{names[b]}={who}" if len(names) > 1 else f"sum of {who}")
-            rest = known & ~int(holds)
-            if ex.collective in REDUCTIONS and rest:
-                who = _bits(rest)
-                sums.append(f"has rank{'s' * (len(who) > 1)} {_ranks(who)}'s input"
-                            f"{'s' * (len(who) > 1)} in scratch, not yet added")
-            tail = "  ".join(sums)
-            lines.append(f"  r{r}  [ {' | '.join(cells)} ]" + (f"   {tail}" if tail else ""))
+                cells.append(" ".join(f"{v:>{width}}" if m else "." * width
+                                      for v, m in zip(vals[sl].tolist(), masks[sl].tolist())))
+                here = set(masks[sl].tolist())
+                for m in here:
+                    holds |= m
+                if ex.collective in REDUCTIONS and sl.stop > sl.start and here - {0, 1 << r}:
+                    who = _who(here.pop(), ex.p) if len(here) == 1 else "mixed"
+                    notes.append(f"{names[b]}={who}" if len(names) > 1 else f"sum of {who}")
+            rest = _bits(known & ~holds) if ex.collective in REDUCTIONS else []
+            if rest:  # Bruck: other ranks' inputs it has, in scratch, not yet added
+                s = "s" * (len(rest) > 1)
+                notes.append(f"has rank{s} {_ranks(rest)}'s input{s} in scratch, not yet added")
+            lines.append(f"  r{r}  [ {' | '.join(cells)} ]"
+                         + (f"   {'  '.join(notes)}" if notes else ""))
     return lines
 
 
 def bytes_lines(ex, trace):
     text, rows = byte_formula(ex)
+    table = [(r, sent, fs, got, fg, "ok" if (sent, got) == (fs, fg) else "DIFFERS")
+             for r, (fs, fg) in enumerate(rows)
+             for sent, got in [(trace.bytes_sent(r), trace.bytes_received(r))]]
     out = [f"Bytes per rank (int64: {DTYPE.itemsize} B an element, n = {ex.n} elements = "
-           f"{ex.n * DTYPE.itemsize} B):"]
-    out += textwrap.wrap(f"closed form: {text}", 94, initial_indent="  ",
-                         subsequent_indent="    ")
-    table, bad = [], []
-    for r in range(ex.p):
-        sent, got = trace.bytes_sent(r), trace.bytes_received(r)
-        fs, fg = rows[r]
-        ok = (sent, got) == (fs, fg)
-        if not ok:
-            bad.append(r)
-        table.append((r, sent, fs, got, fg, "ok" if ok else "DIFFERS"))
-    out += ["  " + x for x in _table(("rank", "sent (trace)", "formula", "received (trace)",
-                                      "formula", ""), table, right=(0, 1, 2, 3, 4))]
+           f"{ex.n * DTYPE.itemsize} B):",
+           *textwrap.wrap(f"closed form: {text}", 94, initial_indent="  ",
+                          subsequent_indent="    "),
+           *("  " + x for x in _table(("rank", "sent (trace)", "formula", "received (trace)",
+                                       "formula", ""), table, right=(0, 1, 2, 3, 4)))]
+    bad = [row[0] for row in table if row[5] != "ok"]
     if bad:
         raise ExplainError("\n".join(out) + f"\nranks {bad}: the trace's bytes differ from "
                            "the closed form")
@@ -806,7 +755,7 @@ def cost_lines(ex):
            f"b = {cm.beta * 1e9:g} ns/B, g = {cm.gamma * 1e9:g} ns/B):",
            *textwrap.wrap(text, 94, initial_indent="  ", subsequent_indent="    "),
            f"  with p = {ex.p}, n = {ex.n * DTYPE.itemsize} B:"]
-    shown = [(name if count is None else f"{_num(count)}{unit} {name}", secs)
+    shown = [(name if count is None else f"{count:.6g}{unit} {name}", secs)
              for name, count, unit, secs in terms if count is None or count]
     if shown:
         out.append("  = " + " + ".join(d for d, _ in shown))
@@ -814,24 +763,30 @@ def cost_lines(ex):
                    + f" = {total * 1e6:.4f} us")
     else:
         out.append("  = 0 (one rank: nothing to send)")
-    if _has_header(ex) and ex.p > 1:
+    if ex.p > 1 and (ex.collective == "reduce_scatter" or ex.collective == "allreduce"
+                     and ex.algorithm in ("ring", "hierarchical")):
         out.append("  (the model leaves out the 48-byte header check, one more a)")
     return out
 
 
-def _has_header(ex):
-    return ex.collective == "reduce_scatter" or (
-        ex.collective == "allreduce" and ex.algorithm in ("ring", "hierarchical"))
-
-
-def _num(x):
-    return f"{x:.6g}" if isinstance(x, float) else str(x)
+RESULTS = {  # what the result line says, checked against NumPy on every rank
+    "allreduce": "Result on every rank: {0} = np.sum(inputs, axis=0) (checked on every rank)",
+    "reduce_scatter": "Result: rank r holds block r of np.sum(inputs, axis=0) (checked on "
+                      "every rank)",
+    "allgather": "Result on every rank: {0} = np.concatenate(inputs) (checked on every rank)",
+    "broadcast": "Result on every rank: {0}, the root's input (checked)",
+    "reduce": "Result on rank {root}: {1} = np.sum(inputs, axis=0); None on the others "
+              "(checked)",
+    "alltoall": "Result: rank r's block j is rank j's block r (checked on every rank)",
+    "barrier": "Result: every rank has heard, directly or through others, from every rank.",
+}
 
 
 @dataclass
 class Explanation:
-    """What explain() read off the run: the messages as Steps, what each rank knows after each
-    step, every rank's buffer after each step (None if too big to copy), and the two runs."""
+    """What explain() read off the run: the messages as Steps, the ranks each rank has heard
+    from after each step, every rank's buffer after each step (None if too big to copy), and
+    the two runs."""
 
     steps: list
     knows: list
@@ -842,7 +797,7 @@ class Explanation:
 
 def explain(ex, out=print):
     """Run, check and print one example; returns its Explanation."""
-    p, n = ex.p, ex.n
+    p, n, c = ex.p, ex.n, ex.collective
     snapshots = p * p * max(n, 1) <= SNAPSHOTS
     values, labels = (run(ex, flag, snapshots) for flag in (False, True))
     check_results(ex, values, labels)
@@ -851,73 +806,46 @@ def explain(ex, out=print):
     buffers = Buffers(ex, moments, values, labels) if snapshots else None
     for s in steps:
         s.action = action(ex, s, knows, buffers)
-    what = f"{ex.collective} ({ex.algorithm}) on p = {p} ranks"
-    if ex.collective != "barrier":
-        what += f", n = {n} int64 elements"
-    if ex.algorithm == "hierarchical":
-        what += f", nodes {ex.nodes}, cross-node algorithm {ex.inner}"
-    if ex.collective in ("broadcast", "reduce"):
-        what += f", root {ex.root}"
-    out(f"ringcoll explain: {what}")
+    out(f"ringcoll explain: {c} ({ex.algorithm}) on p = {p} ranks"
+        + (f", n = {n} int64 elements" if c != "barrier" else "")
+        + (f", nodes {ex.nodes}, cross-node algorithm {ex.inner}"
+           if ex.algorithm == "hierarchical" else "")
+        + (f", root {ex.root}" if c in ("broadcast", "reduce") else ""))
     readable = p <= READABLE_P and n <= MAX_STATE_ELEMS
-    if ex.collective != "barrier":
+    if c != "barrier":
         out(f"Inputs: rank r's element i is {ex.base} r + i"
-            + (" (allgather: rank r contributes block r)" if ex.collective == "allgather"
-               else "") + (" (only the root's matters)" if ex.collective == "broadcast"
-                           else ""))
-        if readable:
-            for r, x in enumerate(ex.inputs()):
-                out(f"  r{r}  {_values(x[ex.owned(r)], 10 ** 6)}")
+            + {"allgather": " (allgather: rank r contributes block r)",
+               "broadcast": " (only the root's matters)"}.get(c, ""))
+        for r, x in enumerate(ex.inputs() if readable else []):
+            out(f"  r{r}  {_values(x[ex.owned(r)], 10 ** 6)}")
     names, part = ex.blocks()
-    if len(names) > 1 and ex.collective != "barrier":
+    if len(names) > 1 and c != "barrier":
         out("Blocks: " + ", ".join(f"{nm} = [{sl.start}:{sl.stop})"
                                    for nm, sl in zip(names, part.slices)))
     out("")
-    ncols = max((s.column for s in steps), default=-1) + 1
-    out(f"Schedule: {len(steps)} messages in {ncols} steps, as the run sent them (every value "
-        "checked: the sum of the inputs its label names)")
+    out(f"Schedule: {len(steps)} messages in {max((s.column for s in steps), default=-1) + 1} "
+        "steps, as the run sent them (every value checked: the sum of the inputs its label "
+        "names)")
     for line in schedule_lines(ex, steps):
         out("  " + line)
     out("")
     if readable:
-        out({"barrier": "After each round:"}.get(ex.collective, (
+        out("After each round:" if c == "barrier" else
             "Buffers after each step, as the run left them ('.': nothing there yet"
-            + ("; a rank's most\ncomplete sum for each element, from x, out or scratch; "
-               "b2=0+3: block b2 holds the sum of\nranks 0 and 3's inputs; all: of every "
-               "rank's):" if ex.collective in REDUCTIONS else "):"))))
+            + ("; for each element the\nmost complete sum the rank holds, in x, out or "
+               "scratch; b2=0+3: block b2 holds the sum of\nranks 0 and 3's inputs; all: of "
+               "every rank's):" if c in REDUCTIONS else "):"))
         for line in state_lines(ex, steps, knows, buffers):
             out("  " + line)
     else:
         out(f"(buffers after each step left out for p > {READABLE_P} or n > {MAX_STATE_ELEMS})")
+    results = values.results
     out("")
-    out(_result_line(ex, values.results))
-    out("")
-    for line in bytes_lines(ex, values.trace):
-        out(line)
-    out("")
-    for line in cost_lines(ex):
+    out(RESULTS[c].format(_values(results[0], 200), _values(results[ex.root], 200),
+                          root=ex.root))
+    for line in ["", *bytes_lines(ex, values.trace), "", *cost_lines(ex)]:
         out(line)
     return Explanation(steps, knows, buffers, values, labels)
-
-
-def _result_line(ex, results):
-    c = ex.collective
-    if c == "barrier":
-        return "Result: every rank has heard, directly or through others, from every rank."
-    if c == "allreduce":
-        return (f"Result on every rank: {_values(results[0], 200)} = np.sum(inputs, axis=0) "
-                "(checked on every rank)")
-    if c == "reduce_scatter":
-        return "Result: rank r holds block r of np.sum(inputs, axis=0) (checked on every rank)"
-    if c == "allgather":
-        return (f"Result on every rank: {_values(results[0], 200)} = np.concatenate(inputs) "
-                "(checked on every rank)")
-    if c == "broadcast":
-        return f"Result on every rank: {_values(results[0], 200)}, the root's input (checked)"
-    if c == "reduce":
-        return (f"Result on rank {ex.root}: {_values(results[ex.root], 200)} = "
-                "np.sum(inputs, axis=0); None on the others (checked)")
-    return "Result: rank r's block j is rank j's block r (checked on every rank)"
 
 
 def figure(ex, steps, path):
@@ -932,36 +860,32 @@ def figure(ex, steps, path):
     for r in range(p):
         ax.axhline(r, color="0.85", lw=1, zorder=0)
     if ex.algorithm == "hierarchical":  # the nodes, shaded in turn
-        for i, node in enumerate(ex.nodes):
-            if i % 2 == 0:
-                ax.axhspan(node[0] - 0.5, node[-1] + 0.5, color="0.96", zorder=-1)
+        for node in ex.nodes[::2]:
+            ax.axhspan(node[0] - 0.5, node[-1] + 0.5, color="0.96", zorder=-1)
     for s in steps:
         x0, x1 = s.column + 0.1, s.column + 0.9
         ax.annotate("", xy=(x1, s.dst), xytext=(x0, s.src),
                     arrowprops=dict(arrowstyle="->", lw=1.2,
                                     color="C0" if s.cells is not None else "0.5"))
-        if s.cells:  # a third of a lane from the sender: crossing labels stay apart
+        if s.cells is not None:  # a third of a lane from the sender: labels stay apart
             f = min(0.5, 0.35 / abs(s.dst - s.src)) if s.dst != s.src else 0.5
-            label = ", ".join(ex.block(lo, hi) for lo, hi, _ in _runs(s.cells))
-            ax.text(x0 + f * (x1 - x0), s.src + f * (s.dst - s.src), label, fontsize=7,
+            ax.text(x0 + f * (x1 - x0), s.src + f * (s.dst - s.src),
+                    ", ".join(ex.block(lo, hi) for lo, hi, _ in _runs(s.cells)), fontsize=7,
                     ha="center", va="center",
                     bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none"))
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.set_ylim(p - 0.5, -0.5)
     ax.set_xlim(0, ncols)
+    labels = [step_label(steps, c) for c in range(ncols)]
     ax.set_xticks([c + 0.5 for c in range(ncols)],
-                  [_short(step_label(steps, c)) for c in range(ncols)], fontsize=7, rotation=30,
-                  ha="right")
+                  [x if len(x) <= 28 else x[:26] + ".." for x in labels], fontsize=7,
+                  rotation=30, ha="right")
     for c in range(ncols + 1):
         ax.axvline(c, color="0.92", lw=0.8, zorder=0)
     ax.set_title(f"{ex.collective} ({ex.algorithm}), p = {p}, n = {ex.n}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _short(label, limit=28):
-    return label if len(label) <= limit else label[:limit - 2] + ".."
 
 
 # -- the command ------------------------------------------------------------------------------
@@ -971,7 +895,7 @@ def parser():
         description="Run one collective on small example numbers (thread ranks) and print "
                     "its schedule step by step, every rank's buffer after each step, the "
                     "bytes per rank beside the closed form, and the alpha-beta-gamma cost. "
-                    "Every row is checked against the messages that really ran.")
+                    "Every row is read off the messages that really ran.")
     ap.add_argument("collective", choices=list(COLLECTIVES))
     ap.add_argument("--algorithm", "-a", help="allreduce: ring (default), recursive_doubling, "
                     "rabenseifner, bruck, hierarchical, auto; the others have one")

@@ -160,8 +160,8 @@ def test_ring_cost_uses_the_default_cost_model():
 
 def test_states_follow_the_sums():
     _, result, text = explained("allreduce", "ring", 4, 8)
-    after = result.buffers.after(1, 1)  # rank 1 after reduce-scatter 0 (step 1)
-    assert [v for v, _ in after[6:8]] == [22, 24] and {m for _, m in after[6:8]} == {0b11}
+    vals, masks = result.buffers.after(1, 1)  # rank 1 after reduce-scatter 0 (step 1)
+    assert vals[6:8].tolist() == [22, 24] and masks[6:8].tolist() == [0b11, 0b11]
     assert "r1  [ 10 11 | 12 13 | 14 15 | 22 24 ]   b3=0+1" in text
     assert "b0=all  b1=all  b2=all  b3=all" in text
 
@@ -199,30 +199,30 @@ def test_buffers_end_as_numpy_and_messages_carry_the_senders_state(collective, a
     xs = ex.inputs()
     last = max(s.column for s in result.steps)
     for r, want in enumerate(_numpy(ex)):
-        got = [v for v, _ in result.buffers.after(r, last)]
+        got = result.buffers.after(r, last)[0].tolist()
         if collective == "reduce_scatter":
             got = got[Partition.even(ex.n, ex.p).slices[r]]
         if want is not None:
             assert got == want.tolist(), (r, got, want)
         assert (result.values.results[r] is None) == (want is None)
+    full = [x if x.size == ex.n else np.r_[np.zeros(ex.owned(j).start, int), x,
+                                           np.zeros(ex.n - ex.owned(j).stop, int)]
+            for j, x in enumerate(xs)]  # allgather: each rank's block in place
     for s in result.steps:
         if s.cells is None:
             continue
-        for v, (i, mask) in zip(s.values.tolist(), s.cells):
-            ranks = [j for j in range(ex.p) if mask >> j & 1]
-            full = [x if x.size == ex.n else np.r_[np.zeros(ex.owned(j).start, int), x,
-                                                   np.zeros(ex.n - ex.owned(j).stop, int)]
-                    for j, x in enumerate(xs)]
-            assert v == sum(full[j][i] for j in ranks)
+        elements, masks = s.cells
+        for v, i, mask in zip(s.values.tolist(), elements.tolist(), masks.tolist()):
+            assert v == sum(full[j][i] for j in range(ex.p) if mask >> j & 1)
         if collective == "alltoall":  # sent straight from x, untouched
             name, lo = s.frm
             assert name == "x" and s.values.tolist() == xs[s.src][lo:][:s.values.size].tolist()
         elif algorithm == "bruck" or kw.get("inner") == "bruck":
-            assert all(mask & result.knows[s.column][s.src] == mask for _, mask in s.cells)
+            assert all(m & result.knows[s.column][s.src] == m for m in masks.tolist())
         else:
-            held = result.buffers.after(s.src, s.column - 1)
-            assert [held[i] for i, _ in s.cells] == [
-                (v, m) for v, (_, m) in zip(s.values.tolist(), s.cells)], s
+            vals, held = result.buffers.after(s.src, s.column - 1)
+            assert vals[elements].tolist() == s.values.tolist(), s
+            assert held[elements].tolist() == masks.tolist(), s
     text, rows = ex_mod.byte_formula(ex)
     trace = result.values.trace
     assert [(trace.bytes_sent(r), trace.bytes_received(r)) for r in range(ex.p)] == rows
