@@ -14,7 +14,9 @@ to add up by hand (rank r's element i is 10 r + i, or 100 r + i from n = 11 on),
    alpha-beta-gamma cost with ringcoll.CostModel's default numbers;
 4. with --png FILE, a picture: ranks as lanes, steps as columns, one arrow per message.
 
-Nothing here knows how an algorithm works: every row is read off the run itself.
+No schedule is modelled here: every row is read off the run itself. All the explainer knows
+of an algorithm is how to name things (the blocks its docstring numbers, the phases its tags
+stand for) and the closed forms the run is compared against.
 - The collective runs twice, traced with payloads: once on the example values and once on
   labels. Rank r's label for element i is (i + 1) 2^32 + 2^r, so a sum over any set S of
   ranks reads back as |S| (i + 1) 2^32 + (the bitmask of S): every element of every message
