@@ -674,15 +674,15 @@ def schedule_rows(ex, steps):
             rows.append((c, s.phase, "r -> r+1", CONTROL[s.tag][2], "-", s.nbytes, "-",
                          s.action))
         for s in here:
-            block, where, values = CONTROL[s.tag][2] if s.cells is None else "-", "-", "-"
-            if s.cells is not None:
-                block = ", ".join(ex.block(lo, hi) + (f"={_who(m, ex.p)}" if ex.collective
-                                                      in REDUCTIONS else "")
-                                  for lo, hi, m in _runs(s.cells)) or "-"
-                where = f"{_place(s.frm, s.nbytes)} -> {_place(s.to, s.nbytes)}" * bool(
-                    s.nbytes) or "-"
-                values = _values(s.values, 28)
-            rows.append((c, s.phase, f"{s.src} -> {s.dst}", block, where, s.nbytes, values,
+            send = f"{s.src} -> {s.dst}"
+            if s.cells is None:
+                rows.append((c, s.phase, send, CONTROL[s.tag][2], "-", s.nbytes, "-", s.action))
+                continue
+            sums = ex.collective in REDUCTIONS  # name whose inputs each block adds up
+            block = ", ".join(ex.block(lo, hi) + (f"={_who(m, ex.p)}" if sums else "")
+                              for lo, hi, m in _runs(s.cells))
+            where = f"{_place(s.frm, s.nbytes)} -> {_place(s.to, s.nbytes)}" if s.nbytes else "-"
+            rows.append((c, s.phase, send, block or "-", where, s.nbytes, _values(s.values, 28),
                          s.action))
     return rows
 
