@@ -69,7 +69,7 @@ META_BYTES = 40  # allgather's row-count exchange: 5 int64 per rank
 READABLE_P = 8  # beyond this the state tables are left out and the schedule is abbreviated
 MAX_ROWS = 64  # schedule rows shown before abbreviating
 MAX_STATE_ELEMS = 48
-SNAPSHOTS = 1 << 16  # copy the buffers at every message while p * p * n is at most this
+SNAPSHOTS = 1 << 20  # copy the buffers at every message while p * p * n is at most this
 #: data messages: tag -> (the phase as the schedule names it, its first step's number or None)
 PHASES = {"ring_reduce_scatter": ("reduce-scatter", 0), "ring_allgather": ("all-gather", 0),
           "rd_fold": ("fold", None), "rd_exchange": ("exchange", 0), "rd_unfold": ("unfold", None),
@@ -624,7 +624,11 @@ def _ranks(ranks):
 
 
 def _who(mask, p):
-    return "all" if len(_bits(mask)) == p else "+".join(map(str, _bits(mask)))
+    """'all', '0+2+3', or for more than four ranks '0-5+7': whose inputs a sum holds."""
+    ranks = _bits(mask)
+    if len(ranks) == p:
+        return "all"
+    return "+".join(map(str, ranks)) if len(ranks) <= 4 else _ranks(ranks).replace(",", "+")
 
 
 def _values(a, limit=40):
@@ -840,7 +844,9 @@ def explain(ex, out=print):
         for line in state_lines(ex, steps, knows, buffers):
             out("  " + line)
     else:
-        out(f"(buffers after each step left out for p > {READABLE_P} or n > {MAX_STATE_ELEMS})")
+        out(f"(buffers after each step left out for p > {READABLE_P} or n > {MAX_STATE_ELEMS}"
+            + ("; what each receiver did too, above\np^2 n = 2^20: copying every buffer at "
+               "every message would take too much memory)" if buffers is None else ")"))
     results = values.results
     out("")
     out(RESULTS[c].format(_values(results[0], 200), _values(results[ex.root], 200),
