@@ -785,7 +785,7 @@ class Communicator:
                             tuning=self.tuning if self.tuning is not None else False)
 
     @contextmanager
-    def trace(self, trace=None):
+    def trace(self, trace=None, payloads=False):
         """Record every message this rank sends and receives inside the with-block.
 
         Yields a ringcoll.Trace (or fills `trace`, which several thread ranks may share):
@@ -795,15 +795,23 @@ class Communicator:
         collects every rank's on every rank. Not itself collective: call it on every rank
         around the same calls. Outside the block nothing is recorded and nothing costs more.
 
+        payloads=True also keeps a copy of what each message carried (`msg.payload`) and
+        where it came from (`msg.offset_in(x)`: its element offset in x, or None for a
+        scratch buffer); for a shared `trace`, create it as Trace(payloads=True).
+
         Example::
 
-            with comm.trace() as t:
-                comm.allreduce(np.ones(8), algorithm="ring")
-            t.bytes_sent(comm.rank)   # 2(p-1)/p * 64 plus the ring's 48-byte header check
+            with comm.trace(payloads=True) as t:
+                comm.allreduce(x, algorithm="ring", out=y)
+            t.bytes_sent(comm.rank)   # 2(p-1)/p * x.nbytes plus the ring's 48-byte header
+            [(m.dst, m.offset_in(x), m.payload) for m in t]   # None: sent from y or scratch
         """
         self._check_open("trace")
+        if trace is not None and payloads and not trace.payloads:
+            raise InvalidArgumentError(f"{where(self.rank, 'trace')}payloads=True with a trace "
+                                       "made without them; pass Trace(payloads=True) instead")
         self.wait_all()  # a pending collective runs on the transport it was built on
-        trace = Trace() if trace is None else trace
+        trace = Trace(payloads=payloads) if trace is None else trace
         inner = self._t
         self._swap_transport(TracingTransport(inner, trace))
         ok = False
@@ -919,18 +927,24 @@ def run_threads(size, fn, timeout=None, **options):
     return threads.run(size, body, timeout=wait)
 
 
-def simulate(size, fn, timeout=None, **options):
+def simulate(size, fn, timeout=None, payloads=False, watch=None, **options):
     """Run fn(comm) on `size` thread ranks with tracing on: (results in rank order, Trace).
 
     The Trace holds every rank's messages and receives (see Communicator.trace).
+    payloads=True keeps a copy of each message's data (`msg.payload`) and where it was sent
+    from (`msg.offset_in(array)`); watch=fn(rank, buf, sending) is called before each message
+    a rank sends or receives, and what it returns is kept as the record's `seen` (see
+    ringcoll.transport.trace: `ringcoll explain` snapshots every rank's buffers with it).
 
     Example::
 
         results, trace = ringcoll.simulate(
-            4, lambda comm: comm.allreduce(np.arange(8.0), algorithm="ring"))
+            4, lambda comm: comm.allreduce(np.arange(8.0), algorithm="ring"), payloads=True)
         trace.bytes_sent(0)   # 144: 3 blocks of 2 float64 in each half, and the 48-byte header
+        first = trace.select(src=0, tag="ring_reduce_scatter").messages[0]
+        first.payload   # array([6., 7.]): block 3, the first rank 0 sends on the ring
     """
-    trace = Trace()
+    trace = Trace(payloads=payloads, watch=watch)
 
     def body(comm):
         with comm.trace(trace):

@@ -5,6 +5,8 @@ and received must equal a closed form derived from the docstring's schedule and 
 (Partition.even: the first n % p blocks get one more element). Also: tracing changes no result
 bit, names the collective and its sequence number, and the replay fast path and the cached
 hierarchical schedules are rebuilt on the right transport when tracing starts and stops.
+With payloads, each message's copy and offset match the buffer the docstring says it is sent
+from; events order each rank's sends and receives; the watch hook runs before each message.
 """
 
 import math
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 import ringcoll
+from ringcoll.arrays import Partition
 from ringcoll.transport.trace import TracingTransport
 
 TIMEOUT = 20
@@ -496,3 +499,108 @@ def test_summary_and_readme_example():
     np.testing.assert_array_equal(results[0], 4 * np.arange(8.0))
     assert [trace.bytes_sent(r) for r in range(4)] == [144] * 4
     assert trace.summary().splitlines()[1].split() == ["0", "7", "144", "7", "144"]
+
+
+# -- payloads, addresses, the event order and the watch hook ---------------------------------
+def test_payloads_and_offsets():
+    """Each message keeps a copy of what it carried and says where it came from: the ring's
+    first reduce-scatter block from x (docstring: rank r sends block (r - 1) % p first), every
+    later block from out, where the ring reduces; Rabenseifner's second halving from scratch."""
+    p, n = 4, 10
+    part = Partition.even(n, p)
+    xs = [np.arange(n, dtype=np.int64) + 100 * r for r in range(p)]
+    outs = [np.full(n, -1, dtype=np.int64) for _ in range(p)]
+
+    def body(comm):
+        return comm.allreduce(xs[comm.rank], algorithm="ring", out=outs[comm.rank])
+
+    _, trace = simulate(p, body, payloads=True)
+    for r in range(p):
+        mine = sorted(trace.select(src=r, tag="ring_reduce_scatter"), key=lambda m: m.index)
+        first = part.slices[(r - 1) % p]
+        assert mine[0].offset_in(xs[r]) == first.start and mine[0].offset_in(outs[r]) is None
+        np.testing.assert_array_equal(mine[0].payload, xs[r][first])
+        for s, m in enumerate(mine[1:], start=1):  # block (r - s - 1) % p, reduced into out
+            block = part.slices[(r - s - 1) % p]
+            assert m.offset_in(outs[r]) == block.start and m.offset_in(xs[r]) is None
+            assert m.payload.dtype == np.int64 and m.payload.size == block.stop - block.start
+        got = [x for x in trace.receives if x.dst == r and x.tag == "ring_reduce_scatter"]
+        assert [x.offset_in(outs[r]) for x in got] == [  # received straight into out
+            part.starts[(r - s - 2) % p] for s in range(p - 1)]
+    final = [m for m in trace.messages if m.tag == "ring_allgather"]
+    assert all(np.array_equal(m.payload, sum(xs)[m.offset_in(outs[m.src]):][:m.payload.size])
+               for m in final)  # the all-gather passes finished sums
+
+    _, rab = simulate(p, lambda comm: comm.allreduce(xs[comm.rank], algorithm="rabenseifner",
+                                                     out=outs[comm.rank]), payloads=True)
+    second = [m for m in rab.messages if m.tag == "rab_halving" and m.step == 1]
+    assert len(second) == p
+    assert all(m.offset_in(xs[m.src]) is None and m.offset_in(outs[m.src]) is None
+               for m in second)  # from the scratch buffer the first halving reduced into
+
+
+def test_without_payloads_nothing_is_copied():
+    _, trace = simulate(3, lambda comm: comm.allreduce(np.ones(4), algorithm="ring"))
+    assert all(m.payload is None and m.address is None and m.seen is None for m in trace)
+    assert trace.messages[0].offset_in(np.ones(4)) is None
+
+
+def test_events_order_each_rank():
+    """event numbers a rank's sends and receive completions 0, 1, 2, ... per collective; in a
+    ring each send comes before the receive of the same step (sendrecv-like)."""
+    p = 5
+
+    def body(comm):
+        comm.allreduce(np.ones(7), algorithm="ring")
+        comm.allreduce(np.ones(7), algorithm="recursive_doubling")
+
+    _, trace = simulate(p, body)
+    for seq in (1, 2):
+        for r in range(p):
+            sends = [m.event for m in trace.messages if m.src == r and m.seq == seq]
+            recvs = [x.event for x in trace.receives if x.dst == r and x.seq == seq]
+            assert sorted(sends + recvs) == list(range(len(sends) + len(recvs)))
+    ring = sorted((m for m in trace.messages if m.seq == 1 and m.src == 0), key=lambda m: m.index)
+    got = sorted((x for x in trace.receives if x.seq == 1 and x.dst == 0), key=lambda x: x.event)
+    assert [m.event for m in ring] == [2 * i for i in range(len(ring))]
+    assert [x.event for x in got] == [2 * i + 1 for i in range(len(got))]
+
+
+def test_watch_sees_each_buffer_before_the_transport():
+    """watch(rank, buf, sending) runs before each send and receive: a receive's buffer is seen
+    before the data lands in it."""
+    p, n = 3, 6
+    outs = [np.full(n, -1.0) for _ in range(p)]
+    calls = [[] for _ in range(p)]
+
+    def watch(rank, buf, sending):
+        calls[rank].append(sending)
+        return buf.copy()
+
+    _, trace = simulate(p, lambda comm: comm.allreduce(np.ones(n), algorithm="ring",
+                                                       out=outs[comm.rank]),
+                        payloads=True, watch=watch)
+    for m in trace:
+        np.testing.assert_array_equal(m.seen, m.payload)
+    first = [x for x in trace.receives if x.tag == "ring_reduce_scatter" and x.order == 0]
+    assert len(first) == p and all((x.seen == -1).all() for x in first)  # out, before it lands
+    assert [(c.count(True), c.count(False)) for c in calls] == [
+        (len(trace.select(src=r)), len(trace.select(dst=r))) for r in range(p)]
+
+
+def test_comm_trace_payloads_and_gather():
+    p = 3
+
+    def body(comm):
+        x = np.arange(4.0) + comm.rank
+        with comm.trace(payloads=True) as t:
+            comm.allreduce(x, algorithm="recursive_doubling")
+        with pytest.raises(ringcoll.InvalidArgumentError, match="Trace\\(payloads=True\\)"):
+            with comm.trace(ringcoll.Trace(), payloads=True):
+                pass
+        return t.gather(comm)
+
+    for t in ringcoll.run_threads(p, body, timeout=TIMEOUT):
+        assert len(t) == 4  # fold, one exchange each way, unfold
+        fold = next(m for m in t if m.tag == "rd_fold")
+        np.testing.assert_array_equal(fold.payload, np.arange(4.0))  # rank 0's x

@@ -35,8 +35,27 @@ What is recorded, exactly (a Message, at the sender, when the send is posted):
                  an upper bound on arrival; None until the receive completes, and over MPI
                  until Trace.gather brings the receiver's record (perf_counter is one clock
                  for all processes of one Linux machine, not across machines)
+    event        this rank's count of sends posted and receives completed in this collective
+                 before this one: the order in which the rank did its sends and receives
 A Receive (at the receiver, when the receive is posted) has src, dst, tag, nbytes,
-collective, algorithm, seq, order, t_post and t_end.
+collective, algorithm, seq, order, t_post, t_end and event (counted when it completed).
+
+Payloads (`comm.trace(payloads=True)`, `ringcoll.simulate(p, fn, payloads=True)`, or a
+`Trace(payloads=True)`): every Message also keeps what it carried, and both kinds of record
+keep where the data was, so a reader can tell which part of which buffer moved:
+    payload      a copy of the sent elements (a 1-D array of the sent dtype), taken when the
+                 send was posted
+    address      the data pointer of the sent (or, for a Receive, the receiving) array.
+                 `msg.offset_in(a)` turns it into an element offset within the contiguous array
+                 `a` when the message's bytes lie inside `a` (the user's x or out, say), and
+                 gives None when they do not: then the algorithm sent from, or received into,
+                 one of the communicator's scratch buffers (or some other array).
+A watch hook (`Trace(watch=fn)`, `simulate(..., watch=fn)`) sees every rank's state at every
+message: fn(rank, buf, sending) is called on rank's thread with the array about to be sent
+(sending=True) or received into (False), before the transport is called (so before any
+received data lands), and whatever it returns is kept on the record as `seen`.
+`ringcoll explain` uses it to copy every rank's buffers step by step. Payloads and `seen`
+cost a copy per message: leave them off when timing.
 
 One Trace may be shared by every thread rank (ringcoll.simulate does that): it is thread-safe.
 Over MPI each process records only its own rank's sends and receives; Trace.gather(comm)
@@ -70,6 +89,15 @@ class Message:
     order: int
     t_start: float
     t_end: float | None = None
+    event: int = -1
+    payload: np.ndarray | None = None
+    address: int | None = None
+    seen: object = None
+
+    def offset_in(self, array):
+        """The element offset of this message's data within `array` (contiguous), or None if
+        it was not sent from array's memory (or payloads were off)."""
+        return _offset(self.address, self.nbytes, array)
 
 
 @dataclass(slots=True)
@@ -87,17 +115,38 @@ class Receive:
     order: int
     t_post: float
     t_end: float | None = None
+    event: int = -1
+    address: int | None = None
+    seen: object = None
+
+    def offset_in(self, array):
+        """The element offset within `array` (contiguous) where this message was received, or
+        None if it was received elsewhere (or payloads were off)."""
+        return _offset(self.address, self.nbytes, array)
+
+
+def _offset(address, nbytes, array):
+    if address is None:
+        return None
+    delta = address - array.__array_interface__["data"][0]
+    if delta < 0 or delta + nbytes > array.nbytes or delta % array.itemsize:
+        return None
+    return delta // array.itemsize
 
 
 class Trace:
     """The messages (Message) and receives (Receive) recorded while tracing.
 
-    `messages` is in the order the sends were recorded; `receives` likewise.
+    `messages` is in the order the sends were recorded; `receives` likewise. payloads=True
+    keeps each message's data and addresses; watch=fn(rank, buf, sending) is called before
+    each message a rank sends or receives (see the module docstring).
     """
 
-    def __init__(self, messages=(), receives=()):
+    def __init__(self, messages=(), receives=(), *, payloads=False, watch=None):
         self.messages = list(messages)
         self.receives = list(receives)
+        self.payloads = payloads
+        self.watch = watch
         self._lock = threading.Lock()
         self._unmatched = {}  # (src, dst, tag, order) -> Message whose receive has not completed
         self._early = {}  # the same key -> t_end of a receive that completed first (self-sends)
@@ -247,6 +296,7 @@ class TracingTransport(Transport):
         self.progress = inner.progress  # the same record: the communicator writes it
         self._seq = None  # the collective the counters below belong to
         self._index = 0
+        self._event = 0  # sends posted and receives completed in this collective
         self._steps = {}  # tag -> messages sent with it in this collective
         self._sends = {}  # (dst, tag) -> messages sent there since tracing began
         self._recvs = {}  # (src, tag) -> receives posted from there since tracing began
@@ -265,31 +315,50 @@ class TracingTransport(Transport):
             name = self._names[tag] = describe_tag(tag)
         return name
 
+    def _tick(self):
+        """This rank's next event number in the current collective (counters restart with
+        each collective)."""
+        if self.progress.seq != self._seq:
+            self._seq, self._index, self._event, self._steps = self.progress.seq, 0, 0, {}
+        event, self._event = self._event, self._event + 1
+        return event
+
     def _sent(self, buf, peer, tag):
-        progress = self.progress
-        seq, current = progress.seq, progress.current
-        if seq != self._seq:
-            self._seq, self._index, self._steps = seq, 0, {}
+        trace, progress = self.trace, self.progress
+        seen = trace.watch(self.rank, buf, True) if trace.watch is not None else None
+        event = self._tick()
         step = self._steps.get(tag, 0)
         self._steps[tag] = step + 1
         index, self._index = self._index, self._index + 1
         order = self._sends.get((peer, tag), 0)
         self._sends[(peer, tag)] = order + 1
+        current = progress.current
         collective, algorithm = current[:2] if current is not None else (None, None)
-        self.trace._add_message(Message(self.rank, peer, self._name(tag), buf.nbytes,
-                                        collective, algorithm, seq, step, index, order,
-                                        time.perf_counter()))
+        msg = Message(self.rank, peer, self._name(tag), buf.nbytes, collective, algorithm,
+                      progress.seq, step, index, order, time.perf_counter(), event=event,
+                      seen=seen)
+        if trace.payloads:
+            msg.payload = buf.copy()
+            msg.address = buf.__array_interface__["data"][0]
+        trace._add_message(msg)
 
     def _posted(self, buf, peer, tag):
-        progress = self.progress
+        trace, progress = self.trace, self.progress
+        seen = trace.watch(self.rank, buf, False) if trace.watch is not None else None
         current = progress.current
         order = self._recvs.get((peer, tag), 0)
         self._recvs[(peer, tag)] = order + 1
         collective, algorithm = current[:2] if current is not None else (None, None)
         rec = Receive(peer, self.rank, self._name(tag), buf.nbytes, collective, algorithm,
-                      progress.seq, order, time.perf_counter())
-        self.trace._add_receive(rec)
+                      progress.seq, order, time.perf_counter(), seen=seen)
+        if trace.payloads:
+            rec.address = buf.__array_interface__["data"][0]
+        trace._add_receive(rec)
         return rec
+
+    def _done(self, rec):
+        rec.event = self._tick()
+        self.trace._complete(rec)
 
     # -- point-to-point ---------------------------------------------------------------------------
     def isend(self, buf, peer, tag):
@@ -307,18 +376,18 @@ class TracingTransport(Transport):
     def recv(self, buf, peer, tag):
         rec = self._posted(buf, peer, tag)
         self.inner.recv(buf, peer, tag)
-        self.trace._complete(rec)
+        self._done(rec)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self._sent(sendbuf, dest, tag)
         rec = self._posted(recvbuf, source, tag)
         self.inner.sendrecv(sendbuf, dest, recvbuf, source, tag)
-        self.trace._complete(rec)
+        self._done(rec)
 
     def wait(self, req):
         if type(req) is _PendingRecv:
             self.inner.wait(req.req)
-            self.trace._complete(req.rec)
+            self._done(req.rec)
         else:
             self.inner.wait(req)
 
@@ -326,14 +395,14 @@ class TracingTransport(Transport):
         self.inner.waitall([r.req if type(r) is _PendingRecv else r for r in reqs])
         for r in reqs:
             if type(r) is _PendingRecv:
-                self.trace._complete(r.rec)
+                self._done(r.rec)
 
     def test(self, req):
         if type(req) is not _PendingRecv:
             return self.inner.test(req)
         done = self.inner.test(req.req)
         if done:
-            self.trace._complete(req.rec)
+            self._done(req.rec)
         return done
 
     # bound forms: the inner transport's bound step, with the recording around it. The step's
@@ -347,24 +416,23 @@ class TracingTransport(Transport):
         return _same_at(step, call)
 
     def bind_recv(self, buf, peer, tag):
-        call, posted, complete = self.inner.bind_recv(buf, peer, tag), self._posted, \
-            self.trace._complete
+        call, posted, done = self.inner.bind_recv(buf, peer, tag), self._posted, self._done
 
         def step():
             rec = posted(buf, peer, tag)
             call()
-            complete(rec)
+            done(rec)
         return _same_at(step, call)
 
     def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         call = self.inner.bind_sendrecv(sendbuf, dest, recvbuf, source, tag)
-        sent, posted, complete = self._sent, self._posted, self.trace._complete
+        sent, posted, done = self._sent, self._posted, self._done
 
         def step():
             sent(sendbuf, dest, tag)
             rec = posted(recvbuf, source, tag)
             call()
-            complete(rec)
+            done(rec)
         return _same_at(step, call)
 
     # -- the rest: the inner transport's -----------------------------------------------------------
