@@ -135,6 +135,7 @@ class Prediction:
     replay_seconds: float = 0.0  # wall time of the replay
     count: int = 0  # elements each rank's arrays really had
     scale: float = 1.0  # nominal bytes per recorded byte
+    ranks_recorded: int = 0  # ranks whose algorithm code ran; the others' logs were derived
     results: list | None = field(default=None, repr=False)  # payload=True: every rank's dst
 
 
@@ -212,6 +213,81 @@ def record(p, fn, payload=False, node_ids=None, timeout=60.0):
 
     results = threads.run(p, body, timeout=timeout)
     return transports, results
+
+
+# -- recording once for a rotation-symmetric schedule ---------------------------------------
+def rotation_symmetric(algorithm, count, p):
+    """Whether rank r's payload-free log is rank 0's with every peer q renamed (q + r) % p,
+    as a fact read off the algorithm's code (docs/simulator.md, "Recording one rank"):
+
+    - ring (ring.py): a rank uses its own number only as (r + 1) % p and (r - 1) % p, its
+      neighbours, and as (r - step - k) % p, the block it handles at a step. With
+      count % p == 0 every block has the same size, so every rank makes the same calls with
+      the same byte counts and the same request numbers; only the neighbours' names differ.
+    - bruck (bruck.py): peers (r - 2^k) % p and (r + 2^k) % p; the slots it sends, receives
+      and reduces have sizes that depend on p and count only.
+
+    Recursive doubling and Rabenseifner pair ranks by XOR and fold the ranks above the
+    power-of-two core, hierarchical gives leaders other work: they record every rank."""
+    if algorithm == "ring":
+        return count % p == 0
+    return algorithm == "bruck"
+
+
+def _check_ranks(p):
+    """The ranks record_rotated records besides rank 0 to compare with the derived logs: the
+    neighbours of rank 0 and the middle of the ring."""
+    return sorted(r for r in {1, p // 2, p - 1} if 0 < r < p)
+
+
+def record_rotated(p, fn, node_ids=None):
+    """Every rank's log from rank 0's, for a schedule that rotation_symmetric vouches for.
+
+    Runs fn on rank 0 and on the _check_ranks, then derives each other rank r's log by
+    renaming rank 0's peers q to (q + r) % p. The recorded check ranks must equal what the
+    derivation gives them, entry for entry, or this returns None and the caller records
+    every rank: a cheap guard against an algorithm changed since rotation_symmetric was
+    written. Returns (logs, peers, ranks recorded) otherwise."""
+    recorded = {}
+    with _no_gc():
+        for r in [0, *_check_ranks(p)]:
+            t = RecordingTransport(r, p, node_ids=node_ids)
+            fn(t)
+            recorded[r] = t
+    rotation = _Rotation(recorded[0].ops, recorded[0].peers, p)
+    for r, t in recorded.items():
+        if t.ops != rotation.log(r) or t.peers != rotation.peers(r):
+            return None
+    logs = [recorded[r].ops if r in recorded else rotation.log(r) for r in range(p)]
+    peers = [recorded[r].peers if r in recorded else rotation.peers(r) for r in range(p)]
+    return logs, peers, len(recorded)
+
+
+class _Rotation:
+    """Rank 0's log, ready to be renamed for any rank r of p.
+
+    Only SEND and RECV entries name a peer; waits and reductions are the same at every rank,
+    so every derived log shares those tuples with rank 0's. A log is stored as indices into
+    its distinct entries, and rank r's is built by looking each index up in a copy of that
+    table with the peers renamed: one C-level pass per rank, no Python per entry."""
+
+    def __init__(self, ops, peers, p):
+        self.p = p
+        index = {}
+        self.ids = [index.setdefault(op, len(index)) for op in ops]
+        self.table = list(index)
+        self.named = [j for j, op in enumerate(self.table) if op[0] in (SEND, RECV)]
+        self.peers0 = peers
+
+    def log(self, r):
+        table = self.table.copy()
+        for j in self.named:
+            kind, q, tag, nbytes = table[j]
+            table[j] = (kind, (q + r) % self.p, tag, nbytes)
+        return list(map(table.__getitem__, self.ids))
+
+    def peers(self, r):
+        return {(q + r) % self.p for q in self.peers0}
 
 
 # -- pass 2: replay -------------------------------------------------------------------------
@@ -441,6 +517,9 @@ class Simulator:
         segment_bytes: the ring algorithms' pipeline segment (default: the Communicator's);
             NO_SEGMENTS sends every block as one message, as the closed forms assume.
         max_elems: payload-free arrays longer than this are scaled down (see _shape).
+        symmetry: record one rank and derive the others by renaming peers where
+            rotation_symmetric says the logs are equal up to that (record_rotated); False
+            runs the algorithm on every rank (the same logs, slower: a test compares them).
 
     Recorded logs are cached per (algorithm, ranks, node size, count, dtype, segment, inner):
     they do not depend on the link parameters, so sweeping a cluster's bandwidths or
@@ -450,11 +529,12 @@ class Simulator:
     """
 
     def __init__(self, segment_bytes=DEFAULT_SEGMENT_BYTES, max_elems=1 << 16,
-                 cache_ops=10_000_000):
+                 cache_ops=10_000_000, symmetry=True):
         self.segment_bytes = segment_bytes
         self.max_elems = max_elems
         self.cache_ops = cache_ops
-        self._logs = OrderedDict()  # key -> (logs, peers, number of ops)
+        self.symmetry = symmetry
+        self._logs = OrderedDict()  # key -> (logs, peers, ranks recorded, number of ops)
 
     def _shape(self, algorithm, n, cluster, inner):
         """(count, scale): run on `count` elements, each standing for `scale` nominal ones.
@@ -502,9 +582,14 @@ class Simulator:
         results, recorded = None, cached is None
         if recorded:
             run = self._runner(cluster, algorithm, count, dtype, seg, inner, payload)
-            transports, results = record(p, run, payload=payload, node_ids=cluster.node_ids())
-            cached = ([t.ops for t in transports], [t.peers for t in transports],
-                      sum(len(t.ops) for t in transports))
+            logs = None
+            if self.symmetry and not payload and rotation_symmetric(algorithm, count, p):
+                logs = record_rotated(p, run, node_ids=cluster.node_ids())
+            if logs is None:
+                transports, results = record(p, run, payload=payload,
+                                             node_ids=cluster.node_ids())
+                logs = [t.ops for t in transports], [t.peers for t in transports], p
+            cached = (*logs, sum(map(len, logs[0])))
             if not payload:
                 self._remember(key, cached)
         else:
@@ -513,14 +598,15 @@ class Simulator:
         pred = replay(cluster, cached[0], cached[1], scale=scale, ordered=ordered)
         pred.record_seconds = t1 - t0 if recorded else 0.0
         pred.replay_seconds = time.perf_counter() - t1
+        pred.ranks_recorded = cached[2]
         pred.count, pred.results = count, (results if payload else None)
         return pred
 
     def _remember(self, key, entry):
         self._logs[key] = entry
-        total = sum(e[2] for e in self._logs.values())
+        total = sum(e[3] for e in self._logs.values())
         while total > self.cache_ops and len(self._logs) > 1:
-            total -= self._logs.popitem(last=False)[1][2]
+            total -= self._logs.popitem(last=False)[1][3]
 
     def _segment(self, algorithm, count, elem_bytes, cluster):
         """The ring pipeline segment in elements, clamped to the largest block a ring step of
