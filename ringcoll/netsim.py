@@ -42,7 +42,7 @@ import gc
 import heapq
 import math
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -370,8 +370,10 @@ def _replay(cluster, logs, scale, shared, timeline):
     pc = [0] * p
     done = [[None] * len(log) for log in logs]  # request index -> completion time
     blocked = [-1] * p  # the request a rank waits for, or -1
-    unexpected = {}  # (src, dst, tag) -> deque of (arrival, nbytes): sent, not yet received
-    posted = {}  # (src, dst, tag) -> deque of (request index, nbytes): posted, not yet sent
+    # MPI's matching queues, per (src, dst, tag): the messages sent and not yet received
+    # (arrival, nbytes), and the receives posted and not yet matched (request index, nbytes);
+    # at most one of the two holds anything
+    channels = defaultdict(lambda: (deque(), deque()))
     messages, intra, inter = 0, 0.0, 0.0
     heap = [(0.0, r) for r in range(p)]  # keys: lower bounds of each runnable rank's clock
     ready = list(range(p - 1, -1, -1))  # (no shared port: any order will do)
@@ -416,10 +418,9 @@ def _replay(cluster, logs, scale, shared, timeline):
                 messages += 1
                 if timeline is not None:
                     timeline.append((r, d, tag, nb * scale, start, end, arrival))
-                key = (r, d, tag)
-                q = posted.get(key)
-                if q:
-                    j, rnb = q.popleft()
+                sent, waiting = channels[r, d, tag]
+                if waiting:
+                    j, rnb = waiting.popleft()
                     if rnb != nb:
                         raise _size_mismatch(r, d, tag, nb, rnb)
                     done[d][j] = arrival
@@ -433,25 +434,18 @@ def _replay(cluster, logs, scale, shared, timeline):
                         else:
                             ready.append(d)
                 else:
-                    q = unexpected.get(key)
-                    if q is None:
-                        q = unexpected[key] = deque()
-                    q.append((arrival, nb))
+                    sent.append((arrival, nb))
                 i += 1
             elif kind == RECV:
                 _, s, tag, nb = op
-                key = (s, r, tag)
-                q = unexpected.get(key)
-                if q:
-                    arrival, snb = q.popleft()
+                sent, waiting = channels[s, r, tag]
+                if sent:
+                    arrival, snb = sent.popleft()
                     if snb != nb:
                         raise _size_mismatch(s, r, tag, snb, nb)
                     rdone[i] = arrival
                 else:
-                    q = posted.get(key)
-                    if q is None:
-                        q = posted[key] = deque()
-                    q.append((i, nb))
+                    waiting.append((i, nb))
                 i += 1
             elif kind == COMPUTE:
                 c += op[1] * g
