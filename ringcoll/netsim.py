@@ -20,6 +20,10 @@ How it works, in two passes (docs/simulator.md has the full story and the valida
    partition the algorithm makes, and replay multiplies each byte count back up. With
    payload=True the ranks are threads over the thread transport instead, real data flows
    (MPI matching rules) and the reduced arrays come back to be checked; the logs are the same.
+   Where rank r's log is rank 0's with every peer q renamed (q + r) % p (the ring with
+   equal blocks, and Bruck: rotation_symmetric), only rank 0 and the check ranks 1, p // 2
+   and p - 1 run; the other logs are derived from rank 0's (record_rotated), so 1,024 ranks
+   cost what 4 do.
 
 2. Replay. A discrete-event engine walks the logs in virtual time. Each rank has a clock. A
    message sent at t occupies its ports from start = max(t, when both ports are free) for
@@ -42,7 +46,7 @@ import gc
 import heapq
 import math
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -135,6 +139,7 @@ class Prediction:
     replay_seconds: float = 0.0  # wall time of the replay
     count: int = 0  # elements each rank's arrays really had
     scale: float = 1.0  # nominal bytes per recorded byte
+    ranks_recorded: int = 0  # ranks whose algorithm code ran; the others' logs were derived
     results: list | None = field(default=None, repr=False)  # payload=True: every rank's dst
 
 
@@ -212,6 +217,81 @@ def record(p, fn, payload=False, node_ids=None, timeout=60.0):
 
     results = threads.run(p, body, timeout=timeout)
     return transports, results
+
+
+# -- recording once for a rotation-symmetric schedule ---------------------------------------
+def rotation_symmetric(algorithm, count, p):
+    """Whether rank r's payload-free log is rank 0's with every peer q renamed (q + r) % p,
+    as a fact read off the algorithm's code (docs/simulator.md, "Recording one rank"):
+
+    - ring (ring.py): a rank uses its own number only as (r + 1) % p and (r - 1) % p, its
+      neighbours, and as (r - step - k) % p, the block it handles at a step. With
+      count % p == 0 every block has the same size, so every rank makes the same calls with
+      the same byte counts and the same request numbers; only the neighbours' names differ.
+    - bruck (bruck.py): peers (r - 2^k) % p and (r + 2^k) % p; the slots it sends, receives
+      and reduces have sizes that depend on p and count only.
+
+    Recursive doubling and Rabenseifner pair ranks by XOR and fold the ranks above the
+    power-of-two core, hierarchical gives leaders other work: they record every rank."""
+    if algorithm == "ring":
+        return count % p == 0
+    return algorithm == "bruck"
+
+
+def _check_ranks(p):
+    """The ranks record_rotated records besides rank 0 to compare with the derived logs: the
+    neighbours of rank 0 and the middle of the ring."""
+    return sorted(r for r in {1, p // 2, p - 1} if 0 < r < p)
+
+
+def record_rotated(p, fn, node_ids=None):
+    """Every rank's log from rank 0's, for a schedule that rotation_symmetric vouches for.
+
+    Runs fn on rank 0 and on the _check_ranks, then derives each other rank r's log by
+    renaming rank 0's peers q to (q + r) % p. The recorded check ranks must equal what the
+    derivation gives them, entry for entry, or this returns None and the caller records
+    every rank: a cheap guard against an algorithm changed since rotation_symmetric was
+    written. Returns (logs, peers, ranks recorded) otherwise."""
+    recorded = {}
+    with _no_gc():
+        for r in [0, *_check_ranks(p)]:
+            t = RecordingTransport(r, p, node_ids=node_ids)
+            fn(t)
+            recorded[r] = t
+    rotation = _Rotation(recorded[0].ops, recorded[0].peers, p)
+    for r, t in recorded.items():
+        if t.ops != rotation.log(r) or t.peers != rotation.peers(r):
+            return None
+    logs = [recorded[r].ops if r in recorded else rotation.log(r) for r in range(p)]
+    peers = [recorded[r].peers if r in recorded else rotation.peers(r) for r in range(p)]
+    return logs, peers, len(recorded)
+
+
+class _Rotation:
+    """Rank 0's log, ready to be renamed for any rank r of p.
+
+    Only SEND and RECV entries name a peer; waits and reductions are the same at every rank,
+    so every derived log shares those tuples with rank 0's. A log is stored as indices into
+    its distinct entries, and rank r's is built by looking each index up in a copy of that
+    table with the peers renamed: one C-level pass per rank, no Python per entry."""
+
+    def __init__(self, ops, peers, p):
+        self.p = p
+        index = {}
+        self.ids = [index.setdefault(op, len(index)) for op in ops]
+        self.table = list(index)
+        self.named = [j for j, op in enumerate(self.table) if op[0] in (SEND, RECV)]
+        self.peers0 = peers
+
+    def log(self, r):
+        table = self.table.copy()
+        for j in self.named:
+            kind, q, tag, nbytes = table[j]
+            table[j] = (kind, (q + r) % self.p, tag, nbytes)
+        return list(map(table.__getitem__, self.ids))
+
+    def peers(self, r):
+        return {(q + r) % self.p for q in self.peers0}
 
 
 # -- pass 2: replay -------------------------------------------------------------------------
@@ -294,8 +374,10 @@ def _replay(cluster, logs, scale, shared, timeline):
     pc = [0] * p
     done = [[None] * len(log) for log in logs]  # request index -> completion time
     blocked = [-1] * p  # the request a rank waits for, or -1
-    unexpected = {}  # (src, dst, tag) -> deque of (arrival, nbytes): sent, not yet received
-    posted = {}  # (src, dst, tag) -> deque of (request index, nbytes): posted, not yet sent
+    # MPI's matching queues, per (src, dst, tag): the messages sent and not yet received
+    # (arrival, nbytes), and the receives posted and not yet matched (request index, nbytes);
+    # at most one of the two holds anything
+    channels = defaultdict(lambda: (deque(), deque()))
     messages, intra, inter = 0, 0.0, 0.0
     heap = [(0.0, r) for r in range(p)]  # keys: lower bounds of each runnable rank's clock
     ready = list(range(p - 1, -1, -1))  # (no shared port: any order will do)
@@ -340,10 +422,9 @@ def _replay(cluster, logs, scale, shared, timeline):
                 messages += 1
                 if timeline is not None:
                     timeline.append((r, d, tag, nb * scale, start, end, arrival))
-                key = (r, d, tag)
-                q = posted.get(key)
-                if q:
-                    j, rnb = q.popleft()
+                sent, waiting = channels[r, d, tag]
+                if waiting:
+                    j, rnb = waiting.popleft()
                     if rnb != nb:
                         raise _size_mismatch(r, d, tag, nb, rnb)
                     done[d][j] = arrival
@@ -357,25 +438,18 @@ def _replay(cluster, logs, scale, shared, timeline):
                         else:
                             ready.append(d)
                 else:
-                    q = unexpected.get(key)
-                    if q is None:
-                        q = unexpected[key] = deque()
-                    q.append((arrival, nb))
+                    sent.append((arrival, nb))
                 i += 1
             elif kind == RECV:
                 _, s, tag, nb = op
-                key = (s, r, tag)
-                q = unexpected.get(key)
-                if q:
-                    arrival, snb = q.popleft()
+                sent, waiting = channels[s, r, tag]
+                if sent:
+                    arrival, snb = sent.popleft()
                     if snb != nb:
                         raise _size_mismatch(s, r, tag, snb, nb)
                     rdone[i] = arrival
                 else:
-                    q = posted.get(key)
-                    if q is None:
-                        q = posted[key] = deque()
-                    q.append((i, nb))
+                    waiting.append((i, nb))
                 i += 1
             elif kind == COMPUTE:
                 c += op[1] * g
@@ -441,20 +515,25 @@ class Simulator:
         segment_bytes: the ring algorithms' pipeline segment (default: the Communicator's);
             NO_SEGMENTS sends every block as one message, as the closed forms assume.
         max_elems: payload-free arrays longer than this are scaled down (see _shape).
+        symmetry: record one rank and derive the others by renaming peers where
+            rotation_symmetric says the logs are equal up to that (record_rotated); False
+            runs the algorithm on every rank (the same logs, slower: a test compares them).
 
     Recorded logs are cached per (algorithm, ranks, node size, count, dtype, segment, inner):
     they do not depend on the link parameters, so sweeping a cluster's bandwidths or
     comparing message sizes that scale to the same count replays without recording again.
     The cache keeps the most recent logs up to `cache_ops` operations in all (a 1,024-rank
-    ring is 8 million, about 1 GB).
+    ring is 7.3 million: about 700 MB recorded rank by rank, 64 MB derived by rotation,
+    whose logs share their entries).
     """
 
     def __init__(self, segment_bytes=DEFAULT_SEGMENT_BYTES, max_elems=1 << 16,
-                 cache_ops=10_000_000):
+                 cache_ops=10_000_000, symmetry=True):
         self.segment_bytes = segment_bytes
         self.max_elems = max_elems
         self.cache_ops = cache_ops
-        self._logs = OrderedDict()  # key -> (logs, peers, number of ops)
+        self.symmetry = symmetry
+        self._logs = OrderedDict()  # key -> (logs, peers, ranks recorded, number of ops)
 
     def _shape(self, algorithm, n, cluster, inner):
         """(count, scale): run on `count` elements, each standing for `scale` nominal ones.
@@ -502,9 +581,14 @@ class Simulator:
         results, recorded = None, cached is None
         if recorded:
             run = self._runner(cluster, algorithm, count, dtype, seg, inner, payload)
-            transports, results = record(p, run, payload=payload, node_ids=cluster.node_ids())
-            cached = ([t.ops for t in transports], [t.peers for t in transports],
-                      sum(len(t.ops) for t in transports))
+            logs = None
+            if self.symmetry and not payload and rotation_symmetric(algorithm, count, p):
+                logs = record_rotated(p, run, node_ids=cluster.node_ids())
+            if logs is None:
+                transports, results = record(p, run, payload=payload,
+                                             node_ids=cluster.node_ids())
+                logs = [t.ops for t in transports], [t.peers for t in transports], p
+            cached = (*logs, sum(map(len, logs[0])))
             if not payload:
                 self._remember(key, cached)
         else:
@@ -513,14 +597,15 @@ class Simulator:
         pred = replay(cluster, cached[0], cached[1], scale=scale, ordered=ordered)
         pred.record_seconds = t1 - t0 if recorded else 0.0
         pred.replay_seconds = time.perf_counter() - t1
+        pred.ranks_recorded = cached[2]
         pred.count, pred.results = count, (results if payload else None)
         return pred
 
     def _remember(self, key, entry):
         self._logs[key] = entry
-        total = sum(e[2] for e in self._logs.values())
+        total = sum(e[3] for e in self._logs.values())
         while total > self.cache_ops and len(self._logs) > 1:
-            total -= self._logs.popitem(last=False)[1][2]
+            total -= self._logs.popitem(last=False)[1][3]
 
     def _segment(self, algorithm, count, elem_bytes, cluster):
         """The ring pipeline segment in elements, clamped to the largest block a ring step of

@@ -13,7 +13,7 @@ import pytest
 
 from ringcoll.errors import CollectiveMismatchError, CollectiveTimeoutError
 from ringcoll.netsim import (NO_SEGMENTS, Cluster, Simulator, expected_sum, formula, record,
-                             replay)
+                             record_rotated, replay)
 
 ALPHA, BANDWIDTH, GAMMA = 5e-6, 10e9, 1e-10  # 5 us, 10 GB/s, reductions at 10 GB/s
 FLAT_ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "bruck")
@@ -121,6 +121,49 @@ def test_shared_nic_breaks_the_formula_where_rails_keep_it(sim):
         formula(shared, "ring", nbytes), rel=0.05)
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "bruck"])
+@pytest.mark.parametrize("nodes,devices", [(1, 1), (1, 2), (1, 3), (1, 5), (1, 7), (2, 3),
+                                           (3, 4), (2, 8)])
+def test_recording_one_rank_predicts_what_recording_all_does(algorithm, nodes, devices):
+    """The fast path (record rank 0 and a few check ranks, derive the rest by renaming peers)
+    gives the full recording's prediction bit for bit, at p = 1 .. 16, counts that split
+    evenly and counts that do not (the ring then records every rank), whole blocks and
+    several segments per block."""
+    cluster = Cluster(nodes=nodes, devices_per_node=devices)
+    p = cluster.size
+    for segment_bytes in (NO_SEGMENTS, 1 << 10):
+        for count in (1, 7, 1001, 48 * 35, 1 << 20):
+            fast = Simulator(segment_bytes=segment_bytes).allreduce(cluster, algorithm,
+                                                                    4 * count)
+            full = Simulator(segment_bytes=segment_bytes, symmetry=False).allreduce(
+                cluster, algorithm, 4 * count)
+            case = (segment_bytes, count)
+            assert full.ranks_recorded == p, case
+            assert fast.finish == full.finish and fast.messages == full.messages, case
+            assert (fast.bytes_intra, fast.bytes_inter) == (full.bytes_intra,
+                                                            full.bytes_inter), case
+            even = algorithm == "bruck" or fast.count % p == 0
+            assert fast.ranks_recorded == (min(p, 4) if even else p), case
+
+
+def test_rotation_check_rejects_a_schedule_that_is_not_a_rotation():
+    """record_rotated compares the ranks it records with what renaming rank 0's peers gives
+    them: an exchange with rank r XOR 1 is not a rotation, so it says no; a shift along the
+    ring is, and the derived logs are the ones recording every rank gives."""
+    def pairs(t):
+        buf = np.zeros(4, np.float32)
+        t.sendrecv(buf, t.rank ^ 1, buf, t.rank ^ 1, 5)
+
+    def shift(t):
+        buf = np.zeros(4 + t.size, np.float32)
+        t.sendrecv(buf, (t.rank + 1) % t.size, buf, (t.rank - 1) % t.size, 5)
+
+    assert record_rotated(8, pairs) is None
+    logs, peers, recorded = record_rotated(8, shift)
+    assert recorded == 4 and peers == [{(r + 1) % 8} for r in range(8)]
+    assert logs == [t.ops for t in record(8, shift)[0]]
+
+
 def test_size_mismatch_and_deadlock_are_reported():
     cluster = Cluster.flat(2, ALPHA, BANDWIDTH)
 
@@ -144,17 +187,19 @@ def test_size_mismatch_and_deadlock_are_reported():
 
 def test_1024_rank_ring_wall_time():
     """SPEED CHECK (not a correctness test): a payload-free ring all-reduce on 128 x 8 = 1,024
-    simulated ranks. It runs ring.allreduce itself once per rank (2 million steps), then
-    replays 2 million messages. About 8 s on the 2-core development machine (docs/simulator.md);
-    the bound leaves room for a loaded machine. Its prediction is the bandwidth term
-    2 (p-1)/p n / B of the NIC plus a little latency: one flow per NIC, no contention."""
+    simulated ranks. It runs ring.allreduce itself on rank 0 and 3 check ranks, derives the
+    other logs by renaming peers (the ring is rotation-symmetric), then replays 2 million
+    messages. About 2 s on the 2-core development machine (docs/simulator.md); the bound
+    leaves room for a loaded machine (recording every rank would add about 5 s). Its
+    prediction is the bandwidth term 2 (p-1)/p n / B of the NIC plus a little latency: one
+    flow per NIC, no contention."""
     cluster, nbytes = Cluster(nodes=128, devices_per_node=8), 256 << 20
     start = time.perf_counter()
     pred = Simulator().allreduce(cluster, "ring", nbytes)
     wall = time.perf_counter() - start
     print(f"\n1,024-rank ring all-reduce: {wall:.1f} s wall (record {pred.record_seconds:.1f} s, "
           f"replay {pred.replay_seconds:.1f} s), {pred.messages} messages")
-    assert pred.messages == 2 * 1023 * 1024
+    assert pred.messages == 2 * 1023 * 1024 and pred.ranks_recorded == 4
     bandwidth_term = 2 * 1023 / 1024 * nbytes / cluster.inter_bandwidth
     assert bandwidth_term < pred.seconds < 1.05 * bandwidth_term
-    assert wall < 20, f"1,024-rank ring took {wall:.1f} s (target ~10 s)"
+    assert wall < 10, f"1,024-rank ring took {wall:.1f} s (target ~3 s)"
