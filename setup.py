@@ -18,7 +18,8 @@ setup(
     install_requires=["numpy>=1.23", "mpi4py>=4"],
     extras_require={
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis", "scikit-learn"],
+        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis", "scikit-learn",
+                 "matplotlib"],
         "bench": ["matplotlib"],
         "examples": ["scikit-learn"],
         "cuda": ["cupy"],

@@ -9,6 +9,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -25,6 +26,7 @@ from .errors import (CollectiveMismatchError, CommunicatorClosedError, InvalidAr
                      InvalidTypeError, PeerFailedError, RingcollError, where)
 from .ops import check_op_dtype, get_op
 from .transport.base import MAX_USER_TAG, p2p_tag
+from .transport.trace import Trace, TracingTransport
 from .tuning import resolve as resolve_tuning
 
 
@@ -967,6 +969,52 @@ class Communicator:
                             cost_model=self.cost_model,
                             tuning=self.tuning if self.tuning is not None else False)
 
+    @contextmanager
+    def trace(self, trace=None, payloads=False):
+        """Record every message this rank sends and receives inside the with-block.
+
+        Yields a ringcoll.Trace (or fills `trace`, which several thread ranks may share):
+        one Message per message sent (src, dst, tag, nbytes, collective, seq, step, t_start,
+        t_end; see ringcoll.transport.trace) and one Receive per message received. Over MPI
+        each process records only its own rank's traffic; `t.gather(comm)` after the block
+        collects every rank's on every rank. Not itself collective: call it on every rank
+        around the same calls. Outside the block nothing is recorded and nothing costs more.
+
+        payloads=True also keeps a copy of what each message carried (`msg.payload`) and
+        where it came from (`msg.offset_in(x)`: its element offset in x, or None for a
+        scratch buffer); for a shared `trace`, create it as Trace(payloads=True).
+
+        Example::
+
+            with comm.trace(payloads=True) as t:
+                comm.allreduce(x, algorithm="ring", out=y)
+            t.bytes_sent(comm.rank)   # 2(p-1)/p * x.nbytes plus the ring's 48-byte header
+            [(m.dst, m.offset_in(x), m.payload) for m in t]   # None: sent from y or scratch
+        """
+        self._check_open("trace")
+        if trace is not None and payloads and not trace.payloads:
+            raise InvalidArgumentError(f"{where(self.rank, 'trace')}payloads=True with a trace "
+                                       "made without them; pass Trace(payloads=True) instead")
+        self.wait_all()  # a pending collective runs on the transport it was built on
+        trace = Trace(payloads=payloads) if trace is None else trace
+        inner = self._t
+        self._swap_transport(TracingTransport(inner, trace))
+        ok = False
+        try:
+            yield trace
+            ok = True
+        finally:
+            if ok:
+                self.wait_all()  # the traced non-blocking collectives finish traced
+            self._swap_transport(inner)
+
+    def _swap_transport(self, transport):
+        """Run on `transport` from now on. The replay plan and the cached schedules hold steps
+        and views bound to the old one, so they go: the next call builds them afresh."""
+        self._t = transport
+        self._plan = None
+        self._ws.drop_plans()
+
     def wait_all(self):
         """Wait for every outstanding non-blocking collective."""
         if self._tail is not None:
@@ -1064,3 +1112,29 @@ def run_threads(size, fn, timeout=None, **options):
             comm.wait_all()
 
     return threads.run(size, body, timeout=wait)
+
+
+def simulate(size, fn, timeout=None, payloads=False, watch=None, **options):
+    """Run fn(comm) on `size` thread ranks with tracing on: (results in rank order, Trace).
+
+    The Trace holds every rank's messages and receives (see Communicator.trace).
+    payloads=True keeps a copy of each message's data (`msg.payload`) and where it was sent
+    from (`msg.offset_in(array)`); watch=fn(rank, buf, sending) is called before each message
+    a rank sends or receives, and what it returns is kept as the record's `seen` (see
+    ringcoll.transport.trace: `ringcoll explain` snapshots every rank's buffers with it).
+
+    Example::
+
+        results, trace = ringcoll.simulate(
+            4, lambda comm: comm.allreduce(np.arange(8.0), algorithm="ring"), payloads=True)
+        trace.bytes_sent(0)   # 144: 3 blocks of 2 float64 in each half, and the 48-byte header
+        first = trace.select(src=0, tag="ring_reduce_scatter").messages[0]
+        first.payload   # array([6., 7.]): block 3, the first rank 0 sends on the ring
+    """
+    trace = Trace(payloads=payloads, watch=watch)
+
+    def body(comm):
+        with comm.trace(trace):
+            return fn(comm)
+
+    return run_threads(size, body, timeout=timeout, **options), trace

@@ -23,7 +23,6 @@ Each rank sends and receives 2(p-1)/p of the buffer: bandwidth-optimal. Every bl
 by exactly one rank and then copied, so all ranks end with bitwise identical results.
 """
 
-from ..arrays import segments
 from ..transport import Tag
 
 
@@ -56,7 +55,7 @@ def reduce_scatter(t, src, work, part, combine, ws, result=None):
     sends = []
 
     first = part.slices[(r - 1) % p]
-    for k in segments(first.stop - first.start, seg):
+    for k in ws.segments(first.stop - first.start, seg):
         sends.append(t.isend(src[first][k], right, Tag.RING_REDUCE_SCATTER))
 
     for step in range(p - 1):
@@ -65,7 +64,7 @@ def reduce_scatter(t, src, work, part, combine, ws, result=None):
         last = step == p - 2
         mine, acc = src[block], (result if last and result is not None else work[block])
         incoming = ws.scratch("ring.incoming", count, src.dtype) if in_place else acc
-        pieces = segments(count, seg)
+        pieces = ws.segments(count, seg)
         recvs = [t.irecv(incoming[k], left, Tag.RING_REDUCE_SCATTER) for k in pieces]
         forward = not last  # the block reduced now is the one sent at the next step
         copy_over = in_place and count * src.itemsize <= STILL_CACHED
@@ -90,10 +89,10 @@ def allgather(t, buf, part, ws):
     seg = ws.segment_elems(buf.dtype)
 
     own = buf[part.slices[r]]
-    sends = [t.isend(own[k], right, Tag.RING_ALLGATHER) for k in segments(own.size, seg)]
+    sends = [t.isend(own[k], right, Tag.RING_ALLGATHER) for k in ws.segments(own.size, seg)]
     for step in range(p - 1):
         block = buf[part.slices[(r - step - 1) % p]]
-        pieces = segments(block.size, seg)
+        pieces = ws.segments(block.size, seg)
         recvs = [t.irecv(block[k], left, Tag.RING_ALLGATHER) for k in pieces]
         forward = step < p - 2
         for k, req in zip(pieces, recvs):
