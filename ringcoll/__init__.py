@@ -7,7 +7,7 @@
 See README.md for the algorithms, their costs and the benchmarks.
 """
 
-from . import optim
+from . import optim, parallel
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .communicator import Communicator, Request, run_threads, simulate
@@ -16,6 +16,7 @@ from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadc
 from .errors import (ABORT_CODE, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
+from .mesh import Mesh
 from .transport.trace import Message, Receive, Trace
 from .tuning import Tuning, TuningFileError
 
@@ -42,6 +43,7 @@ __all__ = [
     "DistributedOptimizer",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "Mesh",
     "Message",
     "PeerFailedError",
     "Receive",
@@ -55,6 +57,7 @@ __all__ = [
     "broadcast_parameters",
     "load_checkpoint",
     "optim",
+    "parallel",
     "run_threads",
     "save_checkpoint",
     "simulate",
