@@ -1,4 +1,4 @@
-"""mpiexec -n 2 python scripts/calibrate.py [-b 16K] [-e 16M] [-f 2] [--json FILE] [--target 0.25]
+"""mpiexec -n 2 python scripts/calibrate.py [-b 16K] [-e 16M] [-f 2] [--json FILE] [--model FILE]
 
 Calibrate the alpha-beta-gamma cost model on this machine and show how well it predicts.
 
@@ -17,6 +17,11 @@ slowest rank's time per call). Then it fits two models, each on every point at o
 
 It prints measured against predicted time per algorithm and size for both, and exits 3 if the
 calibrated model's error at or above --min-bytes (64 KiB) exceeds --target (25%).
+
+A model fitted to the points it is judged on flatters itself. `--model FILE` loads the
+calibrated model a previous run wrote with `--json FILE` and only predicts: run once to fit,
+then again (a fresh measurement) to see how well the fitted numbers predict times they never
+saw. The verdict is then on those held-out predictions.
 """
 
 import argparse
@@ -55,6 +60,17 @@ class Calibrated:
         steps, moved, reduced = self.terms(name, nbytes)
         beta, gamma = self.small if nbytes < self.knee else self.large
         return self.alphas[name] * steps + beta * moved + gamma * reduced
+
+    @classmethod
+    def load(cls, path, p):
+        """The model an earlier run wrote with --json, for the same number of ranks."""
+        with open(path) as f:
+            saved = json.load(f)
+        if saved["p"] != p:
+            sys.exit(f"calibrate.py: {path} was fitted at -n {saved['p']}; this run has -n {p}. "
+                     f"Fit a model at -n {p} first (--json), or run with -n {saved['p']}.")
+        return cls(p, saved["knee"], saved["alphas"], tuple(saved["small"]),
+                   tuple(saved["large"]))
 
     @classmethod
     def fit(cls, p, points, min_bytes):
@@ -97,7 +113,9 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=0.6, help="seconds per size")
     ap.add_argument("--min-bytes", default="64K", help="smallest size the target applies to")
     ap.add_argument("--target", type=float, default=0.25, help="largest relative error")
-    ap.add_argument("--json", help="write the table here (rank 0)")
+    ap.add_argument("--json", help="write the table and the fitted model here (rank 0)")
+    ap.add_argument("--model", help="predict with the model an earlier --json run fitted "
+                    "instead of fitting one to this run's measurements")
     args = ap.parse_args(argv)
 
     world = MPI.COMM_WORLD
@@ -112,7 +130,12 @@ def main(argv=None):
     points = [(name, nbytes, seconds) for name in CALIBRATED
               for nbytes, seconds in zip(sizes, medians[name], strict=True)]
     single, rms = tune.fit(sizes, medians, p)
-    model, worst = Calibrated.fit(p, points, min_bytes)
+    if args.model:
+        model = Calibrated.load(args.model, p)
+        worst = max((abs(model.predict(n, b) / t - 1) for n, b, t in points if b >= min_bytes),
+                    default=0.0)
+    else:
+        model, worst = Calibrated.fit(p, points, min_bytes)
     rows = [{"algorithm": name, "bytes": nbytes, "measured_s": seconds,
              "predicted_s": model.predict(name, nbytes),
              "error": model.predict(name, nbytes) / seconds - 1,
@@ -123,7 +146,10 @@ def main(argv=None):
         print(f"# the tuner's single model: alpha {single.alpha * 1e6:.2f} us, beta "
               f"{single.beta * 1e9:.4f} ns/B, gamma {single.gamma * 1e9:.4f} ns/B")
         alphas = ", ".join(f"{name} {a * 1e6:.1f} us" for name, a in model.alphas.items())
-        print(f"# calibrated: alpha per step {alphas}; below {tune.fmt_bytes(model.knee)}: "
+        source = (f"fitted by an earlier run ({args.model}), held out: not fitted to these "
+                  "measurements" if args.model else "fitted to these measurements")
+        print(f"# calibrated ({source}): alpha per step {alphas}; "
+              f"below {tune.fmt_bytes(model.knee)}: "
               f"beta {model.small[0] * 1e9:.3f} + gamma {model.small[1] * 1e9:.3f} ns/B; "
               f"above: beta {model.large[0] * 1e9:.3f} + gamma {model.large[1] * 1e9:.3f} ns/B")
         print(f"{'algorithm':>20} {'size':>10} {'measured us':>12} {'predicted us':>13} "
