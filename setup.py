@@ -10,14 +10,16 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["ringcoll", "ringcoll.algorithms", "ringcoll.transport", "ringcoll.kernels"],
+    packages=["ringcoll", "ringcoll.algorithms", "ringcoll.parallel", "ringcoll.transport",
+              "ringcoll.kernels"],
     package_dir={"ringcoll.kernels": "kernels"},
     package_data={"ringcoll": ["tuning_default.json"]},  # auto's built-in tuning table
     entry_points={"console_scripts": ["ringcoll = ringcoll.__main__:main"]},  # ringcoll tune
     install_requires=["numpy>=1.23", "mpi4py>=4"],
     extras_require={
         "mpich": ["mpich"],
-        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis", "scikit-learn"],
+        "test": ["pytest>=7", "pytest-timeout", "ml_dtypes", "hypothesis", "scikit-learn",
+                 "matplotlib"],
         "bench": ["matplotlib"],
         "examples": ["scikit-learn"],
         "cuda": ["cupy"],  # CuPy from source (builds against the local CUDA toolkit)

@@ -7,15 +7,17 @@
 See README.md for the algorithms, their costs and the benchmarks.
 """
 
-from . import optim
+from . import optim, parallel
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
-from .communicator import Communicator, Request, run_threads
+from .communicator import Communicator, Request, run_threads, simulate
 from .compression import Compression, Compressor
 from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .errors import (ABORT_CODE, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
+from .mesh import Mesh
+from .transport.trace import Message, Receive, Trace
 from .tuning import Tuning, TuningFileError
 
 __version__ = "0.1.0"
@@ -41,9 +43,13 @@ __all__ = [
     "DistributedOptimizer",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "Mesh",
+    "Message",
     "PeerFailedError",
+    "Receive",
     "Request",
     "RingcollError",
+    "Trace",
     "Tuning",
     "TuningFileError",
     "__version__",
@@ -51,7 +57,9 @@ __all__ = [
     "broadcast_parameters",
     "load_checkpoint",
     "optim",
+    "parallel",
     "run_threads",
     "save_checkpoint",
+    "simulate",
     "wrap",
 ]

@@ -1,13 +1,17 @@
 """The `ringcoll` command (also `python -m ringcoll`): one subcommand per tool.
 
     mpiexec -n 4 ringcoll tune -o tuning.json    # measure auto's tuning table: ringcoll.tune
+    ringcoll explain allreduce -p 4 -n 8         # one collective, step by step: ringcoll.explain
 """
 
 import sys
 
-COMMANDS = {"tune": "measure the all-reduce algorithms here and write auto's tuning table"}
+COMMANDS = {
+    "tune": "measure the all-reduce algorithms here and write auto's tuning table",
+    "explain": "run one collective on small numbers and show its schedule step by step",
+}
 USAGE = "usage: ringcoll COMMAND [ARGS]   (ringcoll COMMAND -h for its options)\n" + "".join(
-    f"  {name:<6} {what}\n" for name, what in COMMANDS.items())
+    f"  {name:<8} {what}\n" for name, what in COMMANDS.items())
 
 
 def main(argv=None):
@@ -19,6 +23,10 @@ def main(argv=None):
     if command not in COMMANDS:
         print(f"ringcoll: unknown command {command!r}\n{USAGE}", end="", file=sys.stderr)
         return 2
+    if command == "explain":  # thread ranks: no MPI needed
+        from .explain import main as explain
+
+        return explain(rest)
     from .tune import main as tune  # imports mpi4py: only when a command needs MPI
 
     return tune(rest)

@@ -143,6 +143,19 @@ class Workspace:
             plan = self._plans[key] = build()
         return plan
 
+    def drop_plans(self):
+        """Forget the cached partitions and schedules (some hold views of the transport they
+        were built on: the Communicator calls this when it swaps its transport)."""
+        self._plans.clear()
+
+    def segments(self, count, seg_elems):
+        """segments(count, seg_elems), cached: the ring asks for every block at every step."""
+        key = ("segments", count, seg_elems)
+        found = self._plans.get(key)
+        if found is None:
+            found = self._plans[key] = segments(count, seg_elems)
+        return found
+
     def partition(self, n, parts):
         return self.cached(("even", n, parts), lambda: Partition.even(n, parts))
 

@@ -14,6 +14,7 @@ import sys
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from functools import partial
 
 import numpy as np
@@ -29,14 +30,17 @@ from .config import MPI_TIMEOUT, Options
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, InvalidArgumentError,
                      InvalidTypeError, PeerFailedError, RingcollError, where)
 from .ops import check_op_dtype, get_op
+from .transport.base import MAX_USER_TAG, p2p_tag
+from .transport.trace import Trace, TracingTransport
 from .tuning import resolve as resolve_tuning
 
 
 class Request:
-    """A non-blocking collective in flight: wait() returns its result, test() polls.
+    """A non-blocking collective (iallreduce) or message (isend, irecv) in flight: wait()
+    returns its result, test() polls.
 
-    Once it has finished, `seconds` is how long it ran on the background thread (not counting
-    its wait in the queue): the communication time that overlap can hide.
+    Once a collective has finished, `seconds` is how long it ran on the background thread (not
+    counting its wait in the queue): the communication time that overlap can hide.
     """
 
     def __init__(self, future=None):
@@ -78,6 +82,51 @@ class _Side:
             with device, stream:
                 return fn()
         return on_stream
+
+
+class _MessageRequest(Request):
+    """A non-blocking send or receive (Communicator.isend / irecv): wait() returns the receive
+    buffer (None for a send) once the message has arrived (or left); test() polls."""
+
+    def __init__(self, comm, req, call, result, keep=None):
+        super().__init__()
+        self._comm, self._req, self._call = comm, req, call
+        self._result = result
+        self._keep = keep  # a send's buffer (perhaps a contiguous copy) stays alive until done
+        self._done = False
+
+    def wait(self, poll=None):
+        """Block until the message has arrived (or left); return the receive buffer (None
+        for a send).
+
+        poll: seconds to sleep between checks instead of blocking inside MPI. MPI's blocking
+            wait spins on its core; where ranks outnumber cores, that spinning takes the core
+            from a rank with work to do, and polling with a short sleep (50 us) gives it back
+            (the pipeline example at 4 ranks on 2 cores: twice as fast). Still watched: the
+            wait counts as one call, so RINGCOLL_TIMEOUT's watchdog fires if it never ends.
+        """
+        if not self._done:
+            self._comm._point(f"wait for {self._call}", partial(_finish, self._req, poll))
+            self._done, self._keep = True, None
+        return self._result
+
+    def test(self):
+        if not self._done and self._comm._point(f"test of {self._call}",
+                                                lambda t: t.test(self._req)):
+            self._done, self._keep = True, None
+        return self._done
+
+
+def _finish(req, poll, t):
+    """t.wait(req), after polling t.test(req) every `poll` seconds if poll is set. Over MPI
+    the watchdog ends a poll that never succeeds (the wait is one call, standing still); a
+    transport without one gets t.wait after its timeout, which then ends it (thread ranks:
+    a CollectiveTimeoutError after twice the timeout in all)."""
+    if poll:
+        give_up = time.monotonic() + (getattr(t, "timeout", None) or 60.0)
+        while not t.test(req) and time.monotonic() < give_up:
+            time.sleep(poll)
+    t.wait(req)
 
 
 class Communicator:
@@ -157,6 +206,7 @@ class Communicator:
         self._tail = None  # the last non-blocking collective submitted, while it may be pending
         self._plan = None  # the last allreduce with out=, to replay if called again the same
         self._printed = set()  # debug mode: the calls whose algorithm rank 0 has printed
+        self._p2p = None  # the transport's point-to-point channel, once a message is sent
 
     # -- topology ------------------------------------------------------------------------
     def _find_nodes(self):
@@ -909,6 +959,143 @@ class Communicator:
             raise InvalidArgumentError(f"{ctx}root={root!r} is not a rank of this communicator "
                                        f"(0..{self.size - 1})")
 
+    # -- point-to-point ------------------------------------------------------------------------
+    # The user's messages travel on the transport's channel (transport/base.py): their wire
+    # tags can never match a collective's, and they have their own progress record, so they
+    # run on the caller's thread even while non-blocking collectives run in the background.
+    # They are not collectives: debug mode does not compare them across ranks.
+    def send(self, x, dest, tag=0):
+        """Send x to rank dest; returns once x may be reused.
+
+        The bytes of x travel in its memory order, as with MPI buffers: the receiver passes
+        an array of the same size and dtype (a different size is an error on the receiver,
+        naming both ranks). Like MPI_Send, a large message may wait until dest posts its
+        receive, so two ranks that both send first can deadlock: use sendrecv, or isend.
+
+        Args:
+            x (np.ndarray): any shape and numeric dtype (a non-contiguous x is copied once).
+            dest (int): the receiving rank, 0..size-1, not this rank itself (use isend then
+                recv, or sendrecv, to send to yourself).
+            tag (int): 0..1023; a receive takes the messages from dest's rank with its tag
+                in the order they were sent.
+
+        Example::
+
+            if comm.rank == 0:
+                comm.send(np.arange(3.0), dest=1)
+            elif comm.rank == 1:
+                print(comm.recv(np.empty(3), source=0))   # [0. 1. 2.]
+        """
+        buf, dest, wire = self._message("send", x, dest, "dest", tag, outgoing=True)
+        if dest == self.rank:
+            raise InvalidArgumentError(
+                f"{where(self.rank, 'send')}a blocking send to this rank itself can wait "
+                "forever for a receive it has not posted yet; use isend (then recv and wait) "
+                "or sendrecv")
+        self._point(f"send to {dest}", lambda t: t.send(buf, dest, wire))
+
+    def recv(self, out, source, tag=0):
+        """Receive a message from rank source into out (in place); returns out.
+
+        Args:
+            out (np.ndarray): writeable, C- or F-contiguous, exactly the size in bytes of
+                what source sends (checked: a mismatch raises CollectiveMismatchError naming
+                both ranks; over MPI the job is then aborted, as the sender may wait for
+                this rank).
+            source (int): the sending rank (no wildcards).
+            tag (int): 0..1023, as passed to the send.
+        """
+        buf, source, wire = self._message("recv", out, source, "source", tag)
+        self._point(f"recv from {source}", lambda t: t.recv(buf, source, wire))
+        return out
+
+    def isend(self, x, dest, tag=0):
+        """Start sending x to rank dest; returns a Request (wait() returns None).
+
+        Do not modify x until wait() returns. Sending to this rank itself is allowed: post
+        the matching irecv (or recv) on this rank, then wait.
+        """
+        buf, dest, wire = self._message("isend", x, dest, "dest", tag, outgoing=True)
+        req = self._point(f"isend to {dest}", lambda t: t.isend(buf, dest, wire))
+        return _MessageRequest(self, req, f"isend to {dest}", None, keep=buf)
+
+    def irecv(self, out, source, tag=0):
+        """Start receiving a message from rank source into out; returns a Request whose
+        wait() returns out once the message has arrived (its size checked as in recv).
+        Do not read or write out before then."""
+        buf, source, wire = self._message("irecv", out, source, "source", tag)
+        req = self._point(f"irecv from {source}", lambda t: t.irecv(buf, source, wire))
+        return _MessageRequest(self, req, f"irecv from {source}", out)
+
+    def sendrecv(self, x, dest, out, source=None, tag=0):
+        """Send x to dest and receive from source (default: dest) into out, at once: no
+        deadlock whatever the other ranks do first (a ring shift, a pairwise exchange, a
+        pipeline stage passing activations on and gradients back). Returns out.
+
+        Example::
+
+            # a ring shift: every rank gets its left neighbour's rank
+            left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+            got = comm.sendrecv(np.array([comm.rank]), right, np.empty(1, int), left)
+        """
+        send, dest, wire = self._message("sendrecv", x, dest, "dest", tag, outgoing=True)
+        recv, source, _ = self._message("sendrecv", out, dest if source is None else source,
+                                        "source", tag)
+        self._point(f"sendrecv to {dest} from {source}",
+                    lambda t: t.sendrecv(send, dest, recv, source, wire))
+        return out
+
+    def _message(self, call, x, peer, role, tag, outgoing=False):
+        """(x as a flat buffer, peer, wire tag) of a point-to-point call, all checked.
+
+        outgoing: x is sent (any layout: a non-contiguous x is copied); otherwise x is
+        received into (a writeable contiguous NumPy array, refused otherwise)."""
+        self._check_open(call)
+        ctx = where(self.rank, call)
+        if outgoing:
+            x = self._input(x, ctx)
+            buf = flat_view(x)
+            if buf is None:
+                buf = np.ascontiguousarray(x).reshape(-1)
+        else:
+            if not isinstance(x, np.ndarray):
+                raise InvalidTypeError(f"{ctx}out must be a NumPy array to receive into, got "
+                                       f"{type(x).__name__}")
+            check_dtype(x.dtype, ctx)
+            if not x.flags.writeable:
+                raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
+            buf = flat_view(x)
+            if buf is None:
+                raise InvalidArgumentError(
+                    f"{ctx}out is not contiguous; receive into a C- or F-contiguous array "
+                    "(np.empty(shape, dtype)) and copy it where you need it")
+        if (isinstance(peer, bool) or not isinstance(peer, (int, np.integer))
+                or not 0 <= peer < self.size):
+            raise InvalidArgumentError(f"{ctx}{role}={peer!r} is not a rank of this "
+                                       f"communicator (0..{self.size - 1})")
+        if (isinstance(tag, bool) or not isinstance(tag, (int, np.integer))
+                or not 0 <= tag <= MAX_USER_TAG):
+            raise InvalidArgumentError(f"{ctx}tag={tag!r} must be an integer in "
+                                       f"0..{MAX_USER_TAG}")
+        return buf, int(peer), p2p_tag(tag)
+
+    def _point(self, call, fn):
+        """fn(channel) as one point-to-point call, watched like a collective (the watchdog,
+        error messages); an error part-way goes to the channel's fail() as a collective's
+        does (MPI: the job is aborted, since the peer may wait for this rank forever)."""
+        t = self._p2p
+        if t is None:
+            t = self._p2p = self._t.channel()
+        progress = t.progress
+        progress.begin(call, None)
+        try:
+            return fn(t)
+        except BaseException as exc:
+            t.fail(exc)
+            raise
+        finally:
+            progress.end()
+
     # -- groups and lifetime -------------------------------------------------------------------
     def split(self, color, key=0):
         """A Communicator over the ranks that passed the same color, ordered by (key, rank).
@@ -926,6 +1113,54 @@ class Communicator:
                             cost_model=self.cost_model,
                             tuning=self.tuning if self.tuning is not None else False,
                             cuda_aware=o.cuda_aware, staging_bytes=o.staging_bytes)
+
+    @contextmanager
+    def trace(self, trace=None, payloads=False):
+        """Record every message this rank sends and receives inside the with-block.
+
+        Yields a ringcoll.Trace (or fills `trace`, which several thread ranks may share):
+        one Message per message sent (src, dst, tag, nbytes, collective, seq, step, t_start,
+        t_end; see ringcoll.transport.trace) and one Receive per message received. Over MPI
+        each process records only its own rank's traffic; `t.gather(comm)` after the block
+        collects every rank's on every rank. Not itself collective: call it on every rank
+        around the same calls. Outside the block nothing is recorded and nothing costs more.
+
+        payloads=True also keeps a copy of what each message carried (`msg.payload`) and
+        where it came from (`msg.offset_in(x)`: its element offset in x, or None for a
+        scratch buffer); for a shared `trace`, create it as Trace(payloads=True).
+
+        Example::
+
+            with comm.trace(payloads=True) as t:
+                comm.allreduce(x, algorithm="ring", out=y)
+            t.bytes_sent(comm.rank)   # 2(p-1)/p * x.nbytes plus the ring's 48-byte header
+            [(m.dst, m.offset_in(x), m.payload) for m in t]   # None: sent from y or scratch
+        """
+        self._check_open("trace")
+        if trace is not None and payloads and not trace.payloads:
+            raise InvalidArgumentError(f"{where(self.rank, 'trace')}payloads=True with a trace "
+                                       "made without them; pass Trace(payloads=True) instead")
+        self.wait_all()  # a pending collective runs on the transport it was built on
+        trace = Trace(payloads=payloads) if trace is None else trace
+        inner = self._t
+        self._swap_transport(TracingTransport(inner, trace))
+        ok = False
+        try:
+            yield trace
+            ok = True
+        finally:
+            if ok:
+                self.wait_all()  # the traced non-blocking collectives finish traced
+            self._swap_transport(inner)
+
+    def _swap_transport(self, transport):
+        """Run on `transport` from now on. The replay plan and the cached schedules hold steps
+        and views bound to the old one, so they go: the next call builds them afresh. So do
+        the device sides, whose transports wrap the old one."""
+        self._t = self._host.t = transport
+        self._devices.clear()
+        self._plan = None
+        self._ws.drop_plans()
 
     def wait_all(self):
         """Wait for every outstanding non-blocking collective."""
@@ -945,6 +1180,8 @@ class Communicator:
         self._plan = None  # its steps are bound to the communicator freed below
         self._devices.clear()  # their transports wrap self._t: nothing else of theirs to free
         self._closed = True
+        if self._p2p is not None and self._p2p is not self._t:
+            self._p2p.close()
         self._t.close()
 
     def __enter__(self):
@@ -1029,3 +1266,29 @@ def run_threads(size, fn, timeout=None, **options):
             comm.wait_all()
 
     return threads.run(size, body, timeout=wait)
+
+
+def simulate(size, fn, timeout=None, payloads=False, watch=None, **options):
+    """Run fn(comm) on `size` thread ranks with tracing on: (results in rank order, Trace).
+
+    The Trace holds every rank's messages and receives (see Communicator.trace).
+    payloads=True keeps a copy of each message's data (`msg.payload`) and where it was sent
+    from (`msg.offset_in(array)`); watch=fn(rank, buf, sending) is called before each message
+    a rank sends or receives, and what it returns is kept as the record's `seen` (see
+    ringcoll.transport.trace: `ringcoll explain` snapshots every rank's buffers with it).
+
+    Example::
+
+        results, trace = ringcoll.simulate(
+            4, lambda comm: comm.allreduce(np.arange(8.0), algorithm="ring"), payloads=True)
+        trace.bytes_sent(0)   # 144: 3 blocks of 2 float64 in each half, and the 48-byte header
+        first = trace.select(src=0, tag="ring_reduce_scatter").messages[0]
+        first.payload   # array([6., 7.]): block 3, the first rank 0 sends on the ring
+    """
+    trace = Trace(payloads=payloads, watch=watch)
+
+    def body(comm):
+        with comm.trace(trace):
+            return fn(comm)
+
+    return run_threads(size, body, timeout=timeout, **options), trace

@@ -40,7 +40,8 @@ class CommunicatorClosedError(RingcollError):
 
 class CollectiveMismatchError(RingcollError):
     """Ranks called the same collective with arguments that cannot work together
-    (different element counts, dtypes, trailing shapes, roots...), or different collectives."""
+    (different element counts, dtypes, trailing shapes, roots...), or different collectives;
+    or a point-to-point message arrived in a receive buffer of another size."""
 
 
 class CollectiveTimeoutError(RingcollError):

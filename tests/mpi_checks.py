@@ -44,7 +44,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "broadcast", "reduce",
           "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out", "errors",
-          "compat"]
+          "compat", "trace"]
 
 
 class Checker:
@@ -556,6 +556,48 @@ def check_compat(comms, light):
     CK.attempt("Free", c.Free)
 
 
+def check_trace(comms, light):
+    """comm.trace() over MPI: results unchanged, each rank records only its own traffic, and
+    Trace.gather matches every message with its receive (tests/test_trace.py checks the byte
+    formulas of every algorithm on threads; here the ring's, and conservation for the rest)."""
+    comm = comms["ls2_seg64"]
+    n = 103
+    x = O.make_input(95_000, RANK, (n,), np.float64)
+    for algo in ("ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical",
+                 "native"):
+        y = np.empty_like(x)
+        ref = CK.attempt(f"untraced {algo}", lambda: comm.allreduce(x, algorithm=algo, out=y))
+        ref = None if ref is None else ref.copy()
+        with comm.trace() as t:
+            for _ in range(2):  # built, then replayed: both traced
+                got = CK.attempt(f"traced {algo}", lambda: comm.allreduce(x, algorithm=algo,
+                                                                           out=y))
+                CK.check(ref is not None and got is not None and got.tobytes() == ref.tobytes(),
+                         f"trace {algo}: traced result differs from untraced")
+        after = len(t)
+        CK.attempt(f"after trace {algo}", lambda: comm.allreduce(x, algorithm=algo, out=y))
+        CK.check(len(t) == after and ref is not None and y.tobytes() == ref.tobytes(),
+                 f"trace {algo}: the call after the with-block was traced or wrong")
+        CK.check(all(m.src == RANK for m in t.messages) and all(r.dst == RANK
+                                                                for r in t.receives),
+                 f"trace {algo}: recorded another rank's traffic")
+        g = CK.attempt(f"gather {algo}", lambda: t.gather(comm))
+        if g is None:
+            continue
+        CK.check(len(g.messages) == len(g.receives)
+                 and all(m.t_end is not None for m in g.messages)
+                 and sum(m.nbytes for m in g.messages) == sum(r.nbytes for r in g.receives),
+                 f"trace {algo}: gathered messages and receives do not match")
+        CK.check([c[1:] for c in g.collectives()] == ([] if algo == "native" or P == 1
+                                                      else [("allreduce", algo)] * 2),
+                 f"trace {algo}: collectives {g.collectives()}")
+        if algo == "ring" and P > 1:  # 2n - c_r - c_{r+1} elements and the 48-byte header
+            c = [n // P + (1 if b < n % P else 0) for b in range(P)]
+            want = 2 * (8 * (2 * n - c[RANK] - c[(RANK + 1) % P]) + 48)
+            CK.check(g.bytes_sent(RANK) == want, f"trace ring: sent {g.bytes_sent(RANK)} != "
+                     f"{want}")
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser()
@@ -595,6 +637,7 @@ def main():
         "fortran_out": lambda: check_fortran_out(comms, args.light),
         "errors": lambda: check_errors(comms, args.light),
         "compat": lambda: check_compat(comms, args.light),
+        "trace": lambda: check_trace(comms, args.light),
     }
     times = {}
     for group in groups:

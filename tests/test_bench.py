@@ -40,3 +40,30 @@ def test_targets_script_runs_and_reports_every_selected_target(tmp_path):
     assert checks and all(c["wrong"] == 0 for c in checks), log
     assert data["exit_status"] == rc, log
     assert all(line["verdict"] in ("PASS", "MISS", "info") for line in data["lines"]), log
+
+
+def test_pipeline_bubble_bench_runs_and_checks_every_gradient(tmp_path):
+    """bench/pipeline_bubble.py over threads (in one process) and under mpiexec -n 2, with
+    tiny compute steps: every configuration's gradients right; the bubble is not judged."""
+    import subprocess
+    import sys
+
+    from _mpirun import ROOT
+
+    args = ["--stages", "2", "--micro-batches", "1", "3", "--forward-ms", "0.5",
+            "--backward-ms", "1", "--repeat", "1", "--warmup", "0"]
+    out = tmp_path / "threads.json"
+    proc = subprocess.run([sys.executable, "bench/pipeline_bubble.py", *args, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode in (0, 3), proc.stdout + proc.stderr
+    out_mpi = tmp_path / "mpi.json"
+    rc, log, _ = launch(2, [*args, "--json", str(out_mpi)], timeout=120,
+                        script="bench/pipeline_bubble.py")
+    assert rc in (0, 3), log
+    for path, transport in ((out, "threads"), (out_mpi, "MPI, 2 processes")):
+        data = json.loads(path.read_text())
+        assert data["transport"] == transport
+        rows = [(r["schedule"], r["p"], r["m"]) for r in data["rows"]]
+        assert rows == [("gpipe", 2, 1), ("gpipe", 2, 3), ("1f1b", 2, 1), ("1f1b", 2, 3)]
+        assert all(r["wrong"] == 0 for r in data["rows"]), data["rows"]
+        assert [r["peak_in_flight_stage0"] for r in data["rows"]] == [1, 3, 1, 2]

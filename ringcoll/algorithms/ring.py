@@ -27,7 +27,6 @@ finished: 'avg' passes a combine that also divides by p there (one pass over n/p
 rank, one kernel launch per segment on a GPU, instead of a later pass over all n).
 """
 
-from ..arrays import segments
 from ..transport import Tag
 
 
@@ -62,7 +61,7 @@ def reduce_scatter(t, src, work, part, combine, ws, result=None, final=None):
     sends = []
 
     first = part.slices[(r - 1) % p]
-    for k in segments(first.stop - first.start, seg):
+    for k in ws.segments(first.stop - first.start, seg):
         sends.append(t.isend(src[first][k], right, Tag.RING_REDUCE_SCATTER))
 
     for step in range(p - 1):
@@ -71,7 +70,7 @@ def reduce_scatter(t, src, work, part, combine, ws, result=None, final=None):
         last = step == p - 2
         mine, acc = src[block], (result if last and result is not None else work[block])
         incoming = ws.scratch("ring.incoming", count, src.dtype) if in_place else acc
-        pieces = segments(count, seg)
+        pieces = ws.segments(count, seg)
         recvs = [t.irecv(incoming[k], left, Tag.RING_REDUCE_SCATTER) for k in pieces]
         forward = not last  # the block reduced now is the one sent at the next step
         copy_over = in_place and count * src.itemsize <= STILL_CACHED
@@ -97,10 +96,10 @@ def allgather(t, buf, part, ws):
     seg = ws.segment_elems(buf.dtype)
 
     own = buf[part.slices[r]]
-    sends = [t.isend(own[k], right, Tag.RING_ALLGATHER) for k in segments(own.size, seg)]
+    sends = [t.isend(own[k], right, Tag.RING_ALLGATHER) for k in ws.segments(own.size, seg)]
     for step in range(p - 1):
         block = buf[part.slices[(r - step - 1) % p]]
-        pieces = segments(block.size, seg)
+        pieces = ws.segments(block.size, seg)
         recvs = [t.irecv(block[k], left, Tag.RING_ALLGATHER) for k in pieces]
         forward = step < p - 2
         for k, req in zip(pieces, recvs):

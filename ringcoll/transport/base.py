@@ -8,6 +8,13 @@ non-overtaking rule), and a receive must be given a buffer of exactly the size s
 `t.view(members, tag_offset)` gives a Transport over a subset of ranks (used by the
 hierarchical algorithm for its node-local and cross-node groups) that renumbers peers and
 shifts tags, so the same algorithm code runs unchanged on a sub-group.
+
+`t.channel()` gives a sibling Transport for the user's point-to-point messages
+(Communicator.send/recv/...): the same ranks and message space, its own Progress record (so
+a receive on the caller's thread and a non-blocking collective on the background thread never
+overwrite each other's), and receives that check the size of what arrives. User tag u travels
+as wire tag p2p_tag(u) = u * VIEW_STRIDE + Tag.P2P: no collective, in any view, uses a tag
+that is P2P modulo VIEW_STRIDE, so user messages and ringcoll's own can never match.
 """
 
 from enum import IntEnum
@@ -32,17 +39,49 @@ class Tag(IntEnum):
     BRUCK = 13
     HEADER = 14  # the (collective, count, dtype, op) check with the left neighbour
     FINGERPRINT = 15  # debug mode's exchange of every rank's call before each collective
+    P2P = 16  # the user's point-to-point messages: user tag u is wire tag p2p_tag(u)
     VIEW_STRIDE = 32
+
+
+#: the largest user tag of Communicator.send/recv: its wire tag, 1023 * 32 + 16 = 32752, is
+#: below 32767, the smallest tag upper bound (MPI_TAG_UB) the MPI standard allows.
+MAX_USER_TAG = 1023
+
+
+def p2p_tag(tag):
+    """The wire tag of user tag `tag` (0..MAX_USER_TAG)."""
+    return int(tag) * Tag.VIEW_STRIDE + Tag.P2P
 
 
 def describe_tag(tag):
     """A tag as an error message should show it: 'ring_allgather (sub-group 2)'."""
     group, base = divmod(int(tag), Tag.VIEW_STRIDE)
+    if base == Tag.P2P:
+        return f"point-to-point tag {group}"
     try:
         name = Tag(base).name.lower()
     except ValueError:
         name = f"tag {base}"
     return f"{name} (sub-group {group})" if group else name
+
+
+def size_mismatch(rank, call, peer, tag, got, expected):
+    """The CollectiveMismatchError text of a message whose size is not the receive buffer's.
+
+    got: the bytes that arrived, or None when only "more than expected" is known (MPI's
+    truncation error). A point-to-point message names both ranks and the fix for a send/recv
+    pair; a collective's says that the ranks disagree on the count or dtype.
+    """
+    sent = f"more than {expected}" if got is None else f"{got}"
+    if int(tag) % Tag.VIEW_STRIDE == Tag.P2P:
+        return (f"ringcoll rank {rank}, {call}: rank {peer} sent {sent} bytes "
+                f"({describe_tag(tag)}) to rank {rank}, whose receive buffer holds {expected} "
+                f"bytes. Give the receive a buffer of exactly the size and dtype rank {peer} "
+                f"sends (or make rank {peer} send {expected} bytes).")
+    return (f"ringcoll rank {rank}, {call}: received {sent} bytes from rank {peer} "
+            f"({describe_tag(tag)}) where {expected} were expected; the ranks disagree on "
+            "the element count or dtype. Pass the same count and dtype on every rank "
+            "(RINGCOLL_DEBUG=1 names the rank that differs).")
 
 
 class Progress:
@@ -138,6 +177,11 @@ class Transport:
     def view(self, members, tag_offset):
         """A Transport over `members` (parent ranks, in group order); see View."""
         return View(self, members, tag_offset)
+
+    def channel(self):
+        """A sibling Transport for the user's point-to-point messages (see the module
+        docstring). This default shares this transport's Progress record."""
+        return self
 
     def fail(self, exc, why=None):
         """A collective failed part-way through, so other ranks may wait in it forever.

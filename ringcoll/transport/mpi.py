@@ -26,7 +26,7 @@ from functools import partial
 from mpi4py import MPI
 
 from ..errors import ABORT_CODE, CollectiveMismatchError, InvalidArgumentError
-from .base import Progress, Transport, describe_tag
+from .base import Progress, Transport, size_mismatch
 
 BYTE = MPI.BYTE
 
@@ -134,11 +134,9 @@ class MPITransport(Transport):
         return step
 
     def _short(self, got, nbytes, peer, tag):
-        return CollectiveMismatchError(
-            f"ringcoll rank {self.rank}, {self.progress.call()}: received {got} bytes from rank "
-            f"{peer} ({describe_tag(tag)}) where {nbytes} were expected; the ranks disagree on "
-            "the element count or dtype. Pass the same count and dtype on every rank "
-            "(RINGCOLL_DEBUG=1 names the rank that differs).")
+        """The error for a message of `got` bytes (None: more than nbytes) into nbytes."""
+        return CollectiveMismatchError(size_mismatch(self.rank, self.progress.call(), peer, tag,
+                                                     got, nbytes))
 
     def bind_native_allreduce(self, sendbuf, recvbuf, op_name):
         return partial(self.comm.Allreduce, _in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
@@ -180,6 +178,10 @@ class MPITransport(Transport):
         if MPI.Is_finalized():
             os._exit(ABORT_CODE)
         self.comm.Abort(ABORT_CODE)
+
+    def channel(self):
+        """A sibling transport for the user's point-to-point messages (see base.py)."""
+        return _Channel(self)
 
     # groups ---------------------------------------------------------------------------------
     def split(self, color, key):
@@ -249,6 +251,98 @@ class MPITransport(Transport):
 
     def native_barrier(self):
         self.comm.Barrier()
+
+
+class _Receive:
+    """A point-to-point receive in flight: the MPI request and what its status must say."""
+
+    __slots__ = ("req", "nbytes", "peer", "tag", "at", "done")
+
+    def __init__(self, req, nbytes, peer, tag):
+        self.req, self.nbytes, self.peer, self.tag = req, nbytes, peer, tag
+        self.at = (peer, tag)  # one object: a poll loop that notes it shows the watchdog no move
+        self.done = False  # MPI frees a finished request: its status cannot be read twice
+
+
+class _Channel(MPITransport):
+    """The user's point-to-point messages, on the parent transport's communicator.
+
+    Its own Progress record (so the watchdog watches a blocked receive on the caller's thread
+    while a non-blocking collective runs on the background thread, and neither overwrites the
+    other's step) and its own watchdog, started when the first message is sent or received.
+    Every receive checks the size of what arrives: a blocking one probes the message first
+    (MPI_Mprobe, thread-safe) and refuses it before reading, a non-blocking one reads its
+    status at wait (MPI reports a longer message as ERR_TRUNCATE, a shorter one in the count).
+    """
+
+    def __init__(self, parent):  # shares parent.comm: nothing to duplicate, nothing to free
+        self.comm = parent.comm
+        self.rank, self.size = parent.rank, parent.size
+        self.thread_multiple = parent.thread_multiple
+        self.progress = Progress()
+        self.timeout = parent.timeout
+        self._status = MPI.Status()
+        self._watchdog = (_Watchdog(self, self.timeout) if self.timeout and self.size > 1
+                          else None)
+
+    def recv(self, buf, peer, tag):
+        progress, status = self.progress, self._status
+        progress.step += 1
+        progress.at = (peer, tag)
+        message = self.comm.Mprobe(peer, tag, status)
+        if status.Get_count(BYTE) != buf.nbytes:
+            raise self._short(status.Get_count(BYTE), buf.nbytes, peer, tag)
+        message.Recv([buf, BYTE])
+
+    def irecv(self, buf, peer, tag):
+        return _Receive(self.comm.Irecv([buf, BYTE], peer, tag), buf.nbytes, peer, tag)
+
+    def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
+        receive = self.irecv(recvbuf, source, tag)
+        send = self.isend(sendbuf, dest, tag)
+        self.wait(receive)
+        self.wait(send)
+
+    def wait(self, req):
+        if not isinstance(req, _Receive):
+            req.Wait()
+            return
+        self._note(req)
+        self._check(req, lambda: req.req.Wait(self._status))
+
+    def test(self, req):
+        if not isinstance(req, _Receive):
+            return req.Test()
+        self._note(req)
+        return self._check(req, lambda: req.req.Test(self._status))
+
+    def _note(self, req):
+        """One step in the progress record per receive, however often it is tested (a poll
+        loop) and then waited for: the watchdog must see a poll that never ends stand still."""
+        if self.progress.at is not req.at:
+            self.progress.step += 1
+            self.progress.at = req.at
+
+    def _check(self, req, call):
+        """call() (a Wait, or a Test returning whether it finished), then the size check."""
+        if req.done:
+            return True
+        try:
+            done = call()
+        except MPI.Exception as exc:
+            if exc.Get_error_class() == MPI.ERR_TRUNCATE:
+                raise self._short(None, req.nbytes, req.peer, req.tag) from None
+            raise
+        if done is False:
+            return False
+        req.done = True
+        if self._status.Get_count(BYTE) != req.nbytes:
+            raise self._short(self._status.Get_count(BYTE), req.nbytes, req.peer, req.tag)
+        return True
+
+    def close(self):
+        if self._watchdog is not None:
+            self._watchdog.stop()
 
 
 _OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "MIN": MPI.MIN}

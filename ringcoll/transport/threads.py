@@ -17,7 +17,7 @@ import numpy as np
 
 from ..arrays import array_module, is_device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
-from .base import Progress, Transport, describe_tag
+from .base import Progress, Tag, Transport, describe_tag, size_mismatch
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -70,6 +70,10 @@ class ThreadTransport(Transport):
         self.progress = Progress()
         self._nsplits = 0
 
+    @property
+    def timeout(self):
+        return self.world.timeout
+
     def isend(self, buf, peer, tag):
         data = buf.view(np.uint8)
         world = self.world
@@ -114,11 +118,24 @@ class ThreadTransport(Transport):
     def test(self, req):
         if req.done and req.error is not None:
             raise self._mismatch(req)
+        if not req.done and self.world.failure() is not None:
+            self._raise_stuck(req, False)  # a poll loop must not outlive a failed world
         return req.done
 
     def _mismatch(self, req):
-        return CollectiveMismatchError(f"ringcoll rank {self.rank}, {self.progress.call()}: "
-                                       f"{req.error}")
+        got, expected = req.error
+        if req.tag % Tag.VIEW_STRIDE == Tag.P2P:  # a user's message: name the pair and the fix
+            return CollectiveMismatchError(size_mismatch(self.rank, self.progress.call(),
+                                                         req.src, req.tag, got, expected))
+        return CollectiveMismatchError(
+            f"ringcoll rank {self.rank}, {self.progress.call()}: received {got} bytes from rank "
+            f"{req.src} ({describe_tag(req.tag)}) into a {expected}-byte buffer; the ranks "
+            "disagree on the element count, dtype or collective. Pass the same count and dtype "
+            "on every rank (RINGCOLL_DEBUG=1 names the rank that differs).")
+
+    def channel(self):
+        """A sibling transport for point-to-point messages: same world, own Progress."""
+        return ThreadTransport(self.world, self.rank)
 
     def fail(self, exc, why=None):
         self.world.fail(self.rank, exc)  # the others stop at once, as MPI_Abort would make them
@@ -186,12 +203,7 @@ class ThreadTransport(Transport):
 def _deliver(req, data, src, dst, tag):
     dest = req.buf.view(np.uint8)
     if dest.nbytes != data.nbytes:
-        req.error = (  # raised by the receiver's wait, which names the collective
-            f"received {data.nbytes} bytes from rank {src} ({describe_tag(tag)}) into a "
-            f"{dest.nbytes}-byte buffer; the ranks disagree on the element count, dtype or "
-            "collective. Pass the same count and dtype on every rank (RINGCOLL_DEBUG=1 names "
-            "the rank that differs)."
-        )
+        req.error = (data.nbytes, dest.nbytes)  # raised by the receiver's wait (_mismatch)
     else:
         dest[...] = data
         _settle(dest)
