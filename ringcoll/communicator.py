@@ -1053,7 +1053,11 @@ class Communicator:
         self._check_open(call)
         ctx = where(self.rank, call)
         if outgoing:
-            x = self._input(x, ctx)
+            x, side = self._input(x, ctx)
+            if side is not self._host:
+                raise InvalidTypeError(
+                    f"{ctx}point-to-point messages take NumPy arrays, not CuPy ones (yet); "
+                    "send cupy.asnumpy(x) and copy the received array to the GPU")
             buf = flat_view(x)
             if buf is None:
                 buf = np.ascontiguousarray(x).reshape(-1)
