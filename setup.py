@@ -22,7 +22,9 @@ setup(
                  "matplotlib"],
         "bench": ["matplotlib"],
         "examples": ["scikit-learn"],
-        "cuda": ["cupy"],
+        "cuda": ["cupy"],  # CuPy from source (builds against the local CUDA toolkit)
+        "gpu": ["cupy-cuda13x"],  # CuPy wheels for a CUDA 13 driver (README: GPU (CuPy))
+        "gpu-cuda12": ["cupy-cuda12x"],  # ... for a CUDA 12 driver
     },
     license="MIT",
 )

@@ -4,7 +4,8 @@ On the CPU every kernel is a NumPy ufunc applied in place into a view:
 `reduce_into(ufunc, a, b, out, acc)` computes out = a (op) b elementwise, where out may alias a
 or b, accumulating in `acc` (float32 for float16/bfloat16) without a temporary array.
 `bind_reduce` returns the same call with its arguments bound, for schedules replayed many times.
-The GPU kernels (CuPy) will live beside these.
+The GPU kernels for CuPy arrays are in kernels/cuda.py (ringcoll.kernels.cuda), imported only
+when a CuPy array is reduced; ringcoll.ops picks between the two once per call.
 """
 
 from functools import partial

@@ -1,8 +1,12 @@
-"""Array plumbing: which dtypes ringcoll reduces, flat views, block partitions.
+"""Array plumbing: NumPy or CuPy, which dtypes ringcoll reduces, flat views, block partitions.
 
 Algorithms work on 1-D contiguous views; this module turns the user's arrays into those views
-without copying when it can, and says exactly what is wrong when it cannot.
+without copying when it can, and says exactly what is wrong when it cannot. The array module
+(NumPy on the CPU, CuPy on the GPU) is decided from the input once per call, never per step,
+and never by importing CuPy for a NumPy input.
 """
+
+import sys
 
 import numpy as np
 
@@ -34,9 +38,23 @@ def check_dtype(dtype, where):
         )
 
 
+def is_device(x):
+    """True for a CuPy array (GPU memory). Never imports CuPy: if it is not imported yet, x
+    cannot be one of its arrays. NumPy arrays answer on the first comparison."""
+    if type(x) is np.ndarray:
+        return False
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(x, cupy.ndarray)
+
+
 def array_module(x):
-    """numpy, or cupy for a CuPy array (the CuPy path is a later issue)."""
-    return np
+    """numpy for host arrays (and anything np.asarray takes), cupy for a CuPy array."""
+    return sys.modules["cupy"] if is_device(x) else np
+
+
+def writeable(x):
+    """x.flags.writeable; CuPy arrays have no such flag and are always writeable."""
+    return getattr(x.flags, "writeable", True)
 
 
 def flat_view(x):
@@ -100,11 +118,13 @@ class Workspace:
     """Scratch buffers, block partitions and schedules cached per communicator.
 
     After the first call of a given size nothing is allocated: scratch(name, count, dtype)
-    hands out a view of a byte buffer that only ever grows.
+    hands out a view of a byte buffer that only ever grows. `empty(nbytes)` allocates those
+    byte buffers: host memory by default, device memory for a GPU's workspace.
     """
 
-    def __init__(self, segment_bytes):
+    def __init__(self, segment_bytes, empty=None):
         self.segment_bytes = segment_bytes
+        self._empty = empty or _host_bytes
         self._buffers = {}
         self._plans = {}  # partitions and algorithm schedules, by key
 
@@ -113,7 +133,7 @@ class Workspace:
         nbytes = count * dtype.itemsize
         buf = self._buffers.get(name)
         if buf is None or buf.nbytes < nbytes:
-            buf = self._buffers[name] = np.empty(max(nbytes, 64), dtype=np.uint8)
+            buf = self._buffers[name] = self._empty(max(nbytes, 64))
         return buf[:nbytes].view(dtype)
 
     def cached(self, key, build):
@@ -145,3 +165,7 @@ class Workspace:
 
     def segment_elems(self, dtype):
         return max(1, self.segment_bytes // np.dtype(dtype).itemsize)
+
+
+def _host_bytes(nbytes):
+    return np.empty(nbytes, dtype=np.uint8)

@@ -3,6 +3,11 @@
 It owns a transport (MPI on a duplicated communicator, or threads), knows rank, size and the
 node topology, caches scratch buffers and partitions, validates every argument, picks the
 algorithm and runs it. Algorithms never see any of this: they get a transport and flat views.
+
+Host or device: every call's buffers live on one side (_Side), decided once per call from the
+input. NumPy arrays use the communicator's own transport and workspace; CuPy arrays use a device
+side per GPU, made on first use: the same transport wrapped by transport.device (CUDA-aware, or
+staged through pinned host memory), a workspace in device memory, and CUDA reduction kernels.
 """
 
 import sys
@@ -20,7 +25,7 @@ from .algorithms import alltoall as alltoall_alg
 from .algorithms import barrier as barrier_alg
 from .algorithms import (bruck, hierarchical, native, rabenseifner, recursive_doubling, ring,
                          tree)
-from .arrays import Partition, Workspace, check_dtype, flat_view
+from .arrays import Partition, Workspace, array_module, check_dtype, flat_view, is_device, writeable
 from .config import MPI_TIMEOUT, Options
 from .errors import (CollectiveMismatchError, CommunicatorClosedError, InvalidArgumentError,
                      InvalidTypeError, PeerFailedError, RingcollError, where)
@@ -49,6 +54,34 @@ class Request:
     def test(self):
         """True once the collective has finished; never blocks."""
         return self._future.done()
+
+
+class _Side:
+    """Where one call's buffers live: the transport and workspace that move them, their array
+    module, and the reductions checked for them ((dtype, op) -> (ReduceOp, combine)).
+
+    device is None on the host; on a GPU it is the CUDA device id, path says how device buffers
+    travel ("cuda-aware" or "staged") and why_path why.
+    """
+
+    __slots__ = ("t", "ws", "xp", "reductions", "device", "path", "why_path")
+
+    def __init__(self, t, ws, xp, device=None, path=None, why_path=None):
+        self.t, self.ws, self.xp, self.reductions = t, ws, xp, {}
+        self.device, self.path, self.why_path = device, path, why_path
+
+    def on_stream(self, fn):
+        """fn, run on the CuPy device and stream current now (a queued or non-blocking
+        collective runs on the background thread, whose current stream is another)."""
+        if self.device is None:
+            return fn
+        cupy = self.xp
+        device, stream = cupy.cuda.Device(self.device), cupy.cuda.get_current_stream()
+
+        def on_stream():
+            with device, stream:
+                return fn()
+        return on_stream
 
 
 class _MessageRequest(Request):
@@ -119,6 +152,10 @@ class Communicator:
             `python -m ringcoll.tune`, a ringcoll.Tuning, or False for none
             (RINGCOLL_TUNING; default: the table shipped with ringcoll, on MPI only).
         transport: run over this ringcoll Transport instead of MPI (tests, simulation).
+        cuda_aware: for CuPy arrays, True hands device buffers to MPI directly, False stages
+            them through pinned host memory; None (default) asks the MPI library
+            (MPIX_Query_cuda_support) (RINGCOLL_CUDA_AWARE=1/0).
+        staging_bytes: chunk size of that staging (RINGCOLL_STAGING_BYTES; default 1 MiB).
 
     Example::
 
@@ -128,10 +165,12 @@ class Communicator:
     """
 
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
-                 debug=None, timeout=None, cost_model=None, tuning=None, transport=None):
+                 debug=None, timeout=None, cost_model=None, tuning=None, transport=None,
+                 cuda_aware=None, staging_bytes=None):
         self.options = Options.from_env(algorithm=algorithm, local_size=local_size,
                                         segment_bytes=segment_bytes, debug=debug, tuning=tuning,
-                                        timeout=timeout)
+                                        timeout=timeout, cuda_aware=cuda_aware,
+                                        staging_bytes=staging_bytes)
         if self.options.algorithm not in ALLREDUCE_NAMES:
             raise InvalidArgumentError(
                 f"unknown all-reduce algorithm {self.options.algorithm!r} (from algorithm= or "
@@ -160,7 +199,8 @@ class Communicator:
         fitted = self.tuning.cost_model(self.size) if self.tuning is not None else None
         self.cost_model = cost_model or fitted or CostModel()
         self._ws = Workspace(self.options.segment_bytes)
-        self._reductions = {}  # (dtype, op name) -> (ReduceOp, combine), arguments checked
+        self._host = _Side(transport, self._ws, np)  # NumPy arrays
+        self._devices = {}  # CUDA device id -> its _Side, made on first use
         self._auto = {}  # (nbytes, inplace) (or ("inner", nbytes)) -> the algorithm auto runs
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted, while it may be pending
@@ -274,40 +314,98 @@ class Communicator:
 
     # -- argument checks ---------------------------------------------------------------------
     def _input(self, x, ctx):
+        """(x as an array, its side), dtype checked: a CuPy array stays one."""
+        if type(x) is not np.ndarray and is_device(x):
+            check_dtype(x.dtype, ctx)
+            return x, self._device_side(x, ctx)
         x = np.asarray(x)
         check_dtype(x.dtype, ctx)
-        return x
+        return x, self._host
 
     def _reduction(self, x, op, ctx):
-        """(x as an array, the ReduceOp, its combine function), checked once per dtype and op
-        name: on the hot path this is one dict lookup."""
-        x = np.asarray(x)
+        """(x as an array, the ReduceOp, its combine function, x's side), checked once per
+        side, dtype and op name: on the hot path this is a type check and a dict lookup."""
+        if type(x) is np.ndarray:
+            side = self._host
+        elif is_device(x):
+            side = self._device_side(x, ctx)
+        else:
+            x, side = np.asarray(x), self._host
         key = (x.dtype, op) if isinstance(op, str) else None  # MPI.Op objects are unhashable
-        found = self._reductions.get(key) if key is not None else None
+        found = side.reductions.get(key) if key is not None else None
         if found is None:
             check_dtype(x.dtype, ctx)
             reduce_op = get_op(op, ctx)
             check_op_dtype(reduce_op, x.dtype, ctx)
-            found = (reduce_op, reduce_op.bind(x.dtype))
+            found = (reduce_op, reduce_op.bind(x.dtype, side.xp))
             if key is not None:
-                self._reductions[key] = found
-        return (x, *found)
+                side.reductions[key] = found
+        return (x, *found, side)
 
-    def _output(self, out, shape, dtype, ctx, rows=False):
-        """Validate a user's out= (or allocate one of shape and dtype).
+    def _device_side(self, x, ctx):
+        """The _Side of CuPy array x's GPU: made on first use (its transport path decided and,
+        in debug mode, printed); x must be on the current CuPy device."""
+        cupy = array_module(x)
+        device, current = x.device.id, cupy.cuda.runtime.getDevice()
+        if device != current:
+            raise InvalidArgumentError(
+                f"{ctx}x is on GPU {device} but the current CuPy device is GPU {current}; call "
+                f"the collective inside `with cupy.cuda.Device({device}):` (or make it current "
+                f"with cupy.cuda.Device({device}).use())")
+        side = self._devices.get(device)
+        if side is None:
+            from .transport.device import CupyDevice, for_device
+
+            dev = CupyDevice(device)
+            t, path, why = for_device(self._t, dev, self.options.cuda_aware,
+                                      self.options.staging_bytes)
+            side = self._devices[device] = _Side(
+                t, Workspace(self.options.segment_bytes, empty=dev.empty), cupy, device,
+                path, why)
+            if self.options.debug:
+                how = ("cuda-aware: device buffers go straight to MPI" if path == "cuda-aware"
+                       else "staged via pinned host buffers, chunk "
+                            f"{self.options.staging_bytes} B, double-buffered")
+                print(f"ringcoll rank {self.rank}: CuPy arrays on GPU {device} -> {how} "
+                      f"({why})", file=sys.stderr, flush=True)
+        return side
+
+    def _same_memory(self, out, side, ctx):
+        """InvalidTypeError unless out lives where x does (host, or x's GPU)."""
+        if side.device is None:
+            if is_device(out):
+                raise InvalidTypeError(
+                    f"{ctx}out is a CuPy array (GPU {out.device.id}) but x is a NumPy array; "
+                    "pass both on the GPU or both on the host (out=np.empty_like(x))")
+            if not isinstance(out, np.ndarray):
+                raise InvalidTypeError(f"{ctx}out must be a NumPy array, got "
+                                       f"{type(out).__name__}")
+            return
+        if not is_device(out):
+            raise InvalidTypeError(
+                f"{ctx}out is a {type(out).__module__}.{type(out).__name__} in host memory but "
+                f"x is a CuPy array on GPU {side.device}; results stay on x's device: pass "
+                "out=cupy.empty_like(x)")
+        if out.device.id != side.device:
+            raise InvalidTypeError(
+                f"{ctx}out is on GPU {out.device.id} but x on GPU {side.device}; pass out on "
+                "x's device (out=cupy.empty_like(x))")
+
+    def _output(self, out, shape, dtype, ctx, rows=False, side=None):
+        """Validate a user's out= (or allocate one of shape and dtype, on x's side).
 
         rows=True: the collective writes axis-0 blocks through _rows_target, so any layout
         of out works; otherwise out must be contiguous (it is reduced into in memory order).
         """
+        side = side or self._host
         if out is None:
-            return np.empty(shape, dtype)
-        if not isinstance(out, np.ndarray):
-            raise InvalidTypeError(f"{ctx}out must be a NumPy array, got {type(out).__name__}")
+            return side.xp.empty(shape, dtype)
+        self._same_memory(out, side, ctx)
         if out.shape != tuple(shape) or out.dtype != dtype:
             raise InvalidArgumentError(
                 f"{ctx}out has shape {out.shape} and dtype {out.dtype}; it must be shape "
                 f"{tuple(shape)} and dtype {np.dtype(dtype)}")
-        if not out.flags.writeable:
+        if not writeable(out):
             raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
         if not (rows or out.flags.c_contiguous or out.flags.f_contiguous):
             raise InvalidArgumentError(
@@ -320,10 +418,11 @@ class Communicator:
         """(flat buffer to write the C-ordered result into, out or None to copy it into)."""
         if out.flags.c_contiguous:
             return out.reshape(-1), None
-        staging = np.empty(out.shape, out.dtype)  # an F-ordered or strided out: one copy
+        # an F-ordered or strided out: one copy
+        staging = array_module(out).empty(out.shape, out.dtype)
         return staging.reshape(-1), out
 
-    def _elementwise(self, x, out, ctx):
+    def _elementwise(self, x, out, ctx, side=None):
         """(out, src, dst, copy_out) for an elementwise collective.
 
         src and dst are flat and in x's memory order (C, or F for an F-contiguous x; a strided
@@ -332,28 +431,30 @@ class Communicator:
         layout. dst is out itself when out is laid out like x (src is dst when out is x);
         otherwise it is a staging buffer and copy_out() copies the result into out.
         """
+        side = side or self._host
+        xp = side.xp
         src = flat_view(x)
         if out is x:
             if src is None:
                 raise InvalidArgumentError(f"{ctx}in-place (out=x) needs a contiguous x; pass "
                                            "np.ascontiguousarray(x) and use the returned array")
-            if not x.flags.writeable:
+            if not writeable(x):
                 raise InvalidArgumentError(f"{ctx}x is read-only and cannot be reduced in place")
             return out, src, src, None
         if src is None:
-            x = np.ascontiguousarray(x)  # one copy, for a non-contiguous x
+            x = xp.ascontiguousarray(x)  # one copy, for a non-contiguous x
             src = x.reshape(-1)
         if out is None:
-            out = np.empty_like(x)  # laid out like x, so both flatten in the same order
+            out = xp.empty_like(x)  # laid out like x, so both flatten in the same order
             return out, src, flat_view(out), None
-        self._output(out, x.shape, x.dtype, ctx)
-        if np.may_share_memory(x, out) and np.shares_memory(x, out):
+        self._output(out, x.shape, x.dtype, ctx, side=side)
+        if xp.may_share_memory(x, out) and xp.shares_memory(x, out):
             raise InvalidArgumentError(f"{ctx}out overlaps x without being x; use out=x for "
                                        "in place or a separate buffer")
         if out.flags.c_contiguous == x.flags.c_contiguous:
             return out, src, flat_view(out), None
-        staging = np.empty(x.shape, x.dtype, order="C" if x.flags.c_contiguous else "F")
-        return out, src, flat_view(staging), partial(np.copyto, out, staging)
+        staging = xp.empty(x.shape, x.dtype, order="C" if x.flags.c_contiguous else "F")
+        return out, src, flat_view(staging), partial(xp.copyto, out, staging)
 
     # -- all-reduce --------------------------------------------------------------------------
     def allreduce(self, x, op="sum", algorithm=None, out=None):
@@ -395,13 +496,15 @@ class Communicator:
                 raise
             progress.current = None  # progress.end(), inlined; fail() needs it still set
             return out
-        steps, name, fields, schedule, result = self._checked_allreduce(x, op, algorithm, out,
-                                                                        "allreduce")
-        if out is not None and isinstance(x, np.ndarray):
+        steps, name, fields, schedule, result, side = self._checked_allreduce(
+            x, op, algorithm, out, "allreduce")
+        if out is not None and (isinstance(x, np.ndarray) or side.device is not None):
             self._plan = _Plan(x, out, op, algorithm, ("allreduce", name, schedule), steps,
                                fields)
-        return self._run(partial(_run_steps, steps, result), "allreduce", name, fields,
-                         schedule)
+        run = partial(_run_steps, steps, result)
+        if side.device is not None:  # (a NumPy call skips even the method call)
+            run = side.on_stream(run)
+        return self._run(run, "allreduce", name, fields, schedule)
 
     def iallreduce(self, x, op="sum", algorithm=None, out=None):
         """Non-blocking allreduce: returns a Request; req.wait() gives the result.
@@ -410,38 +513,41 @@ class Communicator:
         the caller computes. Collectives called while it is pending (blocking or not) queue
         behind it on that thread, so everything runs in call order; once nothing is pending,
         blocking calls run on the caller's thread again. Do not touch x or out until wait()
-        returns.
+        returns. CuPy arrays: the collective's copies and kernels go on the CuPy stream that is
+        current at this call (and its device), as if called here.
         """
-        steps, name, fields, schedule, result = self._checked_allreduce(x, op, algorithm, out,
-                                                                        "iallreduce")
-        return self._submit(partial(self._execute, partial(_run_steps, steps, result),
+        steps, name, fields, schedule, result, side = self._checked_allreduce(
+            x, op, algorithm, out, "iallreduce")
+        return self._submit(partial(self._execute,
+                                    side.on_stream(partial(_run_steps, steps, result)),
                                     "allreduce", name, fields, schedule))
 
     def _checked_allreduce(self, x, op, algorithm, out, caller):
-        """(steps, algorithm, debug fields, schedule, result) of a checked allreduce call;
-        schedule lists the bound steps' (peer, tag) for Progress. A bad argument is raised
-        after debug mode has told the other ranks (_invalid)."""
+        """(steps, algorithm, debug fields, schedule, result, side) of a checked allreduce
+        call; schedule lists the bound steps' (peer, tag) for Progress. A bad argument is
+        raised after debug mode has told the other ranks (_invalid)."""
         try:
-            steps, name, fields, result = self._prepare_allreduce(x, op, algorithm, out,
-                                                                  where(self.rank, caller))
+            steps, name, fields, result, side = self._prepare_allreduce(
+                x, op, algorithm, out, where(self.rank, caller))
         except InvalidArgumentError as exc:
             self._invalid(exc, "allreduce")
             raise
-        return steps, name, fields, [getattr(s, "at", None) for s in steps], result
+        return steps, name, fields, [getattr(s, "at", None) for s in steps], result, side
 
     def _prepare_allreduce(self, x, op, algorithm, out, ctx):
-        """(steps, algorithm, debug fields, result) of a checked allreduce call."""
+        """(steps, algorithm, debug fields, result, side) of a checked allreduce call."""
         self._check_open("allreduce")
-        x, op, combine = self._reduction(x, op, ctx)
-        out, src, dst, copy_out = self._elementwise(x, out, ctx)
+        x, op, combine, side = self._reduction(x, op, ctx)
+        out, src, dst, copy_out = self._elementwise(x, out, ctx, side)
         name = self._pick(algorithm, dst.nbytes, ctx, inplace=src is dst)
         if name == "native":
-            native.check(self._t, dst.dtype, ctx)
-        fields = (self._fields(op, x, in_place=src is dst) if self.options.debug else None)
-        steps = self._allreduce_steps(name, op, combine, src, dst)
+            native.check(side.t, dst.dtype, ctx)
+        fields = (self._fields(op, x, in_place=src is dst, **_memory(side))
+                  if self.options.debug else None)
+        steps = self._allreduce_steps(name, op, combine, src, dst, side)
         if copy_out is not None:
             steps.append(copy_out)
-        return steps, name, fields, out
+        return steps, name, fields, out, side
 
     @staticmethod
     def _fields(op=None, x=None, **more):
@@ -456,11 +562,13 @@ class Communicator:
         fields.update(more)
         return fields
 
-    def _allreduce_steps(self, name, op, combine, src, dst):
+    def _allreduce_steps(self, name, op, combine, src, dst, side):
         """The checked call as a list of zero-argument steps: what allreduce runs, and what it
         keeps to replay when called again with the same arrays (recursive doubling,
-        Rabenseifner and Bruck are fully unrolled; the others are one step)."""
-        t, ws = self._t, self._ws
+        Rabenseifner and Bruck are fully unrolled; the others are one step). The ring's last
+        reduction step also divides for 'avg' (one pass over n/p, not a later one over n)."""
+        t, ws = side.t, side.ws
+        fused = name == "ring" and op.name == "avg" and op.fuses_finish(dst.dtype, self.size)
         steps = []
         if name in ("ring", "hierarchical"):  # segments can hide a count mismatch: check it
             steps.append(partial(checks.neighbour_check, t, "allreduce", dst.size, dst.dtype,
@@ -469,7 +577,7 @@ class Communicator:
             steps.append(native.bind_allreduce(t, src, dst, op.mpi_name))
         else:
             if op.prescales(dst.dtype, self.size):  # avg of float16/bfloat16: src / p into dst
-                steps.append(partial(op.start, src, dst, self.size))
+                steps.append(partial(op.start, src, dst, self.size, combine))
                 src = dst
             if name in _SCHEDULES:
                 steps += _SCHEDULES[name](t, src, dst, combine, ws)
@@ -477,10 +585,13 @@ class Communicator:
                 inner = ALLREDUCE[self._pick_inner(dst.nbytes)]
                 steps.append(partial(hierarchical.allreduce, t, src, dst, combine, ws,
                                      self.nodes, inner))
+            elif fused:
+                steps.append(partial(ring.allreduce, t, src, dst, combine, ws,
+                                     combine.final(self.size)))
             else:
                 steps.append(partial(ALLREDUCE[name], t, src, dst, combine, ws))
-        if op.name == "avg" and self.size > 1 and dst.size:
-            steps.append(partial(op.finish, dst, self.size))
+        if op.name == "avg" and self.size > 1 and dst.size and not fused:
+            steps.append(partial(op.finish, dst, self.size, combine))
         return steps
 
     def _pick(self, algorithm, nbytes, ctx, inplace=False):
@@ -513,6 +624,21 @@ class Communicator:
             name = self._auto[key] = measured or self.cost_model.choose_allreduce(
                 nbytes, self.size, self.nodes)
         return name
+
+    def device_path(self, x):
+        """(path, why) for CuPy array x's GPU: "cuda-aware" (device buffers go to MPI as they
+        are) or "staged" (through pinned host buffers), and what decided it
+        (RINGCOLL_CUDA_AWARE, or the MPI library's answer). Local: no communication.
+
+        Example::
+
+            comm.device_path(cupy.zeros(1))  # ('staged', 'MPIX_Query_cuda_support() returned 0')
+        """
+        if not is_device(x):
+            raise InvalidTypeError(f"{where(self.rank, 'device_path')}x must be a CuPy array, "
+                                   f"got {type(x).__name__}")
+        side = self._device_side(x, where(self.rank, "device_path"))
+        return side.path, side.why_path
 
     def _pick_inner(self, nbytes):
         """The cross-node algorithm of hierarchical, for a shard of nbytes / local size."""
@@ -556,35 +682,41 @@ class Communicator:
         return self._run(run, collective, name, fields)
 
     def _prepare_reduce_scatter(self, ctx, x, op, out, algorithm):
-        x, op, combine = self._reduction(x, op, ctx)
+        x, op, combine, side = self._reduction(x, op, ctx)
+        t, ws = side.t, side.ws
         x = _as_rows(x)
         name = self._pick_simple(algorithm, "ring", ctx)
-        part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
+        part = ws.row_partition(x.shape[0], self.size, _row_elems(x))
         base, extra = divmod(x.shape[0], self.size)
         rows = base + (1 if self.rank < extra else 0)
-        out = self._output(out, (rows,) + x.shape[1:], x.dtype, ctx, rows=True)
+        out = self._output(out, (rows,) + x.shape[1:], x.dtype, ctx, rows=True, side=side)
         src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
         if name == "native":
-            native.check(self._t, x.dtype, ctx)
+            native.check(t, x.dtype, ctx)
+        # avg: the division in the last ring step
+        fused = op.name == "avg" and name != "native" and op.fuses_finish(x.dtype, self.size)
 
         def run():
             if name == "native":
-                self._t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
+                t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
             else:
-                checks.neighbour_check(self._t, "reduce_scatter", src.size, src.dtype, op.name)
+                checks.neighbour_check(t, "reduce_scatter", src.size, src.dtype, op.name)
                 # The last step reduces straight into dst; work carries the partial sums of
                 # the other blocks, of which there are none at p = 2 (unless avg prescales).
                 prescales = op.prescales(src.dtype, self.size)
-                work = self._ws.scratch("rs.work", src.size if self.size > 2 or prescales
-                                        else 0, src.dtype)
-                mine = op.start(src, work, self.size)  # work itself when avg prescales
-                ring.reduce_scatter(self._t, mine, work, part, combine, self._ws, result=dst)
-            op.finish(dst, self.size)
+                work = ws.scratch("rs.work", src.size if self.size > 2 or prescales else 0,
+                                  src.dtype)
+                mine = op.start(src, work, self.size, combine)  # work itself if avg prescales
+                ring.reduce_scatter(t, mine, work, part, combine, ws, result=dst,
+                                    final=combine.final(self.size) if fused else None)
+            if not fused:
+                op.finish(dst, self.size, combine)
             if copy_to is not None:
                 copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
-        return run, name, self._fields(op, x) if self.options.debug else None
+        fields = self._fields(op, x, **_memory(side)) if self.options.debug else None
+        return run if side.device is None else side.on_stream(run), name, fields
 
     # -- all-gather --------------------------------------------------------------------------
     def allgather(self, x, out=None, algorithm=None):
@@ -603,33 +735,34 @@ class Communicator:
         return self._collective("allgather", self._prepare_allgather, x, out, algorithm)
 
     def _prepare_allgather(self, ctx, x, out, algorithm):
-        x = self._rows_input(x, ctx)
+        x, side = self._rows_input(x, ctx)
         name = self._pick_simple(algorithm, "ring", ctx)
         if name == "native":
-            native.check(self._t, None, ctx)
+            native.check(side.t, None, ctx)
         if out is not None:  # all but its row count can be checked now; that comes later
             rows = out.shape[0] if getattr(out, "ndim", 0) else -1
-            self._output(out, (rows,) + x.shape[1:], x.dtype, ctx, rows=True)
+            self._output(out, (rows,) + x.shape[1:], x.dtype, ctx, rows=True, side=side)
         src = x.reshape(-1)
 
         def run():
-            rows = self._exchange_rows(x, out, name)
+            rows = self._exchange_rows(x, out, name)  # host numbers, over the host transport
             part = Partition([r * _row_elems(x) for r in rows])
-            result = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx, rows=True)
+            result = self._output(out, (sum(rows),) + x.shape[1:], x.dtype, ctx, rows=True,
+                                  side=side)
             dst, copy_to = self._rows_target(result)
             if name == "native":
-                self._t.native_allgather(src, dst, part.counts)
+                side.t.native_allgather(src, dst, part.counts)
             else:
                 dst[part.slices[self.rank]] = src
-                ring.allgather(self._t, dst, part, self._ws)
+                ring.allgather(side.t, dst, part, side.ws)
             if copy_to is not None:
                 copy_to[...] = dst.reshape(copy_to.shape)
             return result
 
         # axis 0 may differ between ranks: the fingerprint leaves it out
-        fields = (self._fields(dtype=x.dtype.name, row_shape=list(x.shape[1:]))
+        fields = (self._fields(dtype=x.dtype.name, row_shape=list(x.shape[1:]), **_memory(side))
                   if self.options.debug else None)
-        return run, name, fields
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def _exchange_rows(self, x, out, name):
         """Every rank's row count, once all ranks know that dtypes, trailing shapes and the
@@ -679,9 +812,13 @@ class Communicator:
         return self._collective("broadcast", self._prepare_broadcast, x, root, algorithm)
 
     def _prepare_broadcast(self, ctx, x, root, algorithm):
-        if not isinstance(x, np.ndarray):
-            raise InvalidTypeError(f"{ctx}broadcast works in place and needs a NumPy array, "
-                                   f"got {type(x).__name__}")
+        if isinstance(x, np.ndarray):
+            side = self._host
+        elif is_device(x):
+            side = self._device_side(x, ctx)
+        else:
+            raise InvalidTypeError(f"{ctx}broadcast works in place and needs a NumPy (or CuPy) "
+                                   f"array, got {type(x).__name__}")
         check_dtype(x.dtype, ctx)
         self._check_root(root, ctx)
         name = self._pick_simple(algorithm, "tree", ctx)
@@ -689,19 +826,21 @@ class Communicator:
         if buf is None:
             raise InvalidArgumentError(f"{ctx}x is not contiguous; broadcast into "
                                        "np.ascontiguousarray(x) and copy back")
-        if self.rank != root and not x.flags.writeable:
+        if self.rank != root and not writeable(x):
             raise InvalidArgumentError(f"{ctx}x is read-only; broadcast needs to write into it")
         if name == "native":
-            native.check(self._t, None, ctx)
+            native.check(side.t, None, ctx)
 
         def run():
             if name == "native":
-                self._t.native_bcast(buf, root)
+                side.t.native_bcast(buf, root)
             else:
-                tree.broadcast(self._t, buf, root, self._ws)
+                tree.broadcast(side.t, buf, root, side.ws)
             return x
 
-        return run, name, self._fields(x=x, root=int(root)) if self.options.debug else None
+        fields = (self._fields(x=x, root=int(root), **_memory(side)) if self.options.debug
+                  else None)
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def reduce(self, x, op="sum", root=0, out=None, algorithm=None):
         """Reduce x over all ranks onto root: returns the result on root, None elsewhere.
@@ -713,36 +852,39 @@ class Communicator:
         return self._collective("reduce", self._prepare_reduce, x, op, root, out, algorithm)
 
     def _prepare_reduce(self, ctx, x, op, root, out, algorithm):
-        x, op, combine = self._reduction(x, op, ctx)
+        x, op, combine, side = self._reduction(x, op, ctx)
+        t, ws = side.t, side.ws
         self._check_root(root, ctx)
         name = self._pick_simple(algorithm, "tree", ctx)
         is_root = self.rank == root
         copy_out = None
         if is_root:
-            out, src, dst, copy_out = self._elementwise(x, out, ctx)
+            out, src, dst, copy_out = self._elementwise(x, out, ctx, side)
         else:
             src = flat_view(x)
             if src is None:
-                src = np.ascontiguousarray(x).reshape(-1)
+                src = side.xp.ascontiguousarray(x).reshape(-1)
             dst = None
         if name == "native":
-            native.check(self._t, x.dtype, ctx)
+            native.check(t, x.dtype, ctx)
 
         def run():
             if name == "native":
-                self._t.native_reduce(src, dst, root, op.mpi_name)
+                t.native_reduce(src, dst, root, op.mpi_name)
             else:
-                acc = dst if is_root else self._ws.scratch("reduce.acc", src.size, src.dtype)
-                mine = op.start(src, acc, self.size)  # acc itself when avg prescales
-                tree.reduce(self._t, mine, acc, root, combine, self._ws)
+                acc = dst if is_root else ws.scratch("reduce.acc", src.size, src.dtype)
+                mine = op.start(src, acc, self.size, combine)  # acc itself if avg prescales
+                tree.reduce(t, mine, acc, root, combine, ws)
             if not is_root:
                 return None
-            op.finish(dst, self.size)
+            op.finish(dst, self.size, combine)
             if copy_out is not None:
                 copy_out()
             return out
 
-        return run, name, self._fields(op, x, root=int(root)) if self.options.debug else None
+        fields = (self._fields(op, x, root=int(root), **_memory(side)) if self.options.debug
+                  else None)
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def alltoall(self, x, out=None, algorithm=None):
         """Send block j of x (axis 0 split into size equal blocks) to rank j.
@@ -758,28 +900,29 @@ class Communicator:
         return self._collective("alltoall", self._prepare_alltoall, x, out, algorithm)
 
     def _prepare_alltoall(self, ctx, x, out, algorithm):
-        x = self._rows_input(x, ctx)
+        x, side = self._rows_input(x, ctx)
         if x.shape[0] % self.size:
             raise InvalidArgumentError(
                 f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the communicator size "
                 f"{self.size} (one equal block per rank)")
         name = self._pick_simple(algorithm, "pairwise", ctx)
-        out = self._output(out, x.shape, x.dtype, ctx, rows=True)
+        out = self._output(out, x.shape, x.dtype, ctx, rows=True, side=side)
         src, (dst, copy_to) = x.reshape(-1), self._rows_target(out)
-        part = self._ws.row_partition(x.shape[0], self.size, _row_elems(x))
+        part = side.ws.row_partition(x.shape[0], self.size, _row_elems(x))
         if name == "native":
-            native.check(self._t, None, ctx)
+            native.check(side.t, None, ctx)
 
         def run():
             if name == "native":
-                self._t.native_alltoall(src, dst)
+                side.t.native_alltoall(src, dst)
             else:
-                alltoall_alg.alltoall(self._t, src, dst, part)
+                alltoall_alg.alltoall(side.t, src, dst, part)
             if copy_to is not None:
                 copy_to[...] = dst.reshape(copy_to.shape)
             return out
 
-        return run, name, self._fields(x=x) if self.options.debug else None
+        fields = self._fields(x=x, **_memory(side)) if self.options.debug else None
+        return run if side.device is None else side.on_stream(run), name, fields
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
@@ -808,7 +951,8 @@ class Communicator:
             f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
 
     def _rows_input(self, x, ctx):
-        return _as_rows(self._input(x, ctx))
+        x, side = self._input(x, ctx)
+        return _as_rows(x), side
 
     def _check_root(self, root, ctx):
         if not isinstance(root, (int, np.integer)) or not 0 <= root < self.size:
@@ -909,7 +1053,11 @@ class Communicator:
         self._check_open(call)
         ctx = where(self.rank, call)
         if outgoing:
-            x = self._input(x, ctx)
+            x, side = self._input(x, ctx)
+            if side is not self._host:
+                raise InvalidTypeError(
+                    f"{ctx}point-to-point messages take NumPy arrays, not CuPy ones (yet); "
+                    "send cupy.asnumpy(x) and copy the received array to the GPU")
             buf = flat_view(x)
             if buf is None:
                 buf = np.ascontiguousarray(x).reshape(-1)
@@ -967,7 +1115,8 @@ class Communicator:
         return Communicator(transport=sub, local_size=o.local_size, algorithm=o.algorithm,
                             segment_bytes=o.segment_bytes, debug=o.debug, timeout=o.timeout,
                             cost_model=self.cost_model,
-                            tuning=self.tuning if self.tuning is not None else False)
+                            tuning=self.tuning if self.tuning is not None else False,
+                            cuda_aware=o.cuda_aware, staging_bytes=o.staging_bytes)
 
     @contextmanager
     def trace(self, trace=None, payloads=False):
@@ -1010,8 +1159,10 @@ class Communicator:
 
     def _swap_transport(self, transport):
         """Run on `transport` from now on. The replay plan and the cached schedules hold steps
-        and views bound to the old one, so they go: the next call builds them afresh."""
-        self._t = transport
+        and views bound to the old one, so they go: the next call builds them afresh. So do
+        the device sides, whose transports wrap the old one."""
+        self._t = self._host.t = transport
+        self._devices.clear()
         self._plan = None
         self._ws.drop_plans()
 
@@ -1031,6 +1182,7 @@ class Communicator:
             self._executor.shutdown()
             self._executor = None
         self._plan = None  # its steps are bound to the communicator freed below
+        self._devices.clear()  # their transports wrap self._t: nothing else of theirs to free
         self._closed = True
         if self._p2p is not None and self._p2p is not self._t:
             self._p2p.close()
@@ -1081,7 +1233,13 @@ _SCHEDULES = {"recursive_doubling": recursive_doubling.schedule,
 
 def _as_rows(x):
     """x as C-contiguous rows of axis 0 (a 0-d x becomes one row): blocks are whole rows."""
-    return np.ascontiguousarray(x.reshape(1) if x.ndim == 0 else x)
+    return array_module(x).ascontiguousarray(x.reshape(1) if x.ndim == 0 else x)
+
+
+def _memory(side):
+    """Debug mode's fingerprint field for device buffers (none for host ones, whose
+    fingerprints stay as they were): ranks that disagree on where or how are named."""
+    return {} if side.device is None else {"memory": f"gpu, {side.path}"}
 
 
 def _row_elems(x):

@@ -8,12 +8,14 @@
 
 Each method is a thin adapter that turns mpi4py's arguments (buffers, [buffer, MPI type] lists,
 MPI.IN_PLACE, MPI.Op) into a call of the Communicator's method; there is no second
-implementation here. Buffers are NumPy arrays (or anything np.asarray views without copying).
+implementation here. Buffers are NumPy arrays (or anything np.asarray views without copying),
+or CuPy arrays (which stay on their GPU).
 """
 
 import numpy as np
 from mpi4py import MPI
 
+from .arrays import is_device
 from .communicator import Communicator
 from .errors import InvalidArgumentError, InvalidTypeError
 
@@ -27,6 +29,8 @@ def _buffer(spec, name):
     """The array inside an mpi4py buffer spec: arr, [arr, MPI.TYPE] or [arr, count, MPI.TYPE]."""
     if isinstance(spec, (list, tuple)):
         spec = spec[0]
+    if is_device(spec):
+        return spec
     arr = np.asarray(spec)
     if arr.dtype == object:
         raise InvalidTypeError(f"ringcoll.wrap: {name} must be a buffer (a NumPy array), "

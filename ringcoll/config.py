@@ -11,6 +11,10 @@
 |                       | and rank 0 prints each collective's algorithm                      |
 | RINGCOLL_TUNING       | tuning file auto looks up first (made by python -m ringcoll.tune); |
 |                       | "none": cost model only; unset: the built-in table (MPI only)      |
+| RINGCOLL_CUDA_AWARE   | CuPy buffers: 1 = hand them to MPI directly (CUDA-aware MPI),      |
+|                       | 0 = stage them through pinned host memory; unset: ask the MPI      |
+|                       | library (MPIX_Query_cuda_support)                                  |
+| RINGCOLL_STAGING_BYTES| chunk size of that staging (default 1 MiB)                         |
 
 Explicit constructor arguments always win over the environment.
 """
@@ -24,6 +28,10 @@ from .errors import InvalidArgumentError
 #: since a legitimate collective can wait long for a rank that is still computing.
 MPI_TIMEOUT = 600.0
 DEFAULT_SEGMENT_BYTES = 4 << 20  # measured: smaller segments only add per-message cost on 2 cores
+#: chunk of the pinned-host staging of CuPy buffers (transport/device.py): small enough that the
+#: copy of one chunk overlaps the MPI transfer of the next, large enough that the per-chunk cost
+#: (a few Python calls, one MPI message, one copy launch) stays small. Not yet tuned on a GPU.
+DEFAULT_STAGING_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -34,6 +42,8 @@ class Options:
     segment_bytes: int = DEFAULT_SEGMENT_BYTES
     debug: bool = False
     tuning: object = None  # a path, a ringcoll.Tuning, False/"none", or None: built-in
+    cuda_aware: bool | None = None  # None: ask the MPI library (MPIX_Query_cuda_support)
+    staging_bytes: int = DEFAULT_STAGING_BYTES
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -46,6 +56,8 @@ class Options:
             segment_bytes=_int(env, "RINGCOLL_SEGMENT_BYTES") or DEFAULT_SEGMENT_BYTES,
             debug=env.get("RINGCOLL_DEBUG", "0") not in ("", "0", "false", "False"),
             tuning=env.get("RINGCOLL_TUNING") or None,
+            cuda_aware=_flag(env, "RINGCOLL_CUDA_AWARE"),
+            staging_bytes=_int(env, "RINGCOLL_STAGING_BYTES") or DEFAULT_STAGING_BYTES,
         )
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)
@@ -53,7 +65,22 @@ class Options:
             raise InvalidArgumentError(f"local_size must be >= 1, got {opts.local_size}")
         if opts.segment_bytes < 1:
             raise InvalidArgumentError(f"segment_bytes must be >= 1, got {opts.segment_bytes}")
+        if opts.staging_bytes < 1:
+            raise InvalidArgumentError(f"staging_bytes must be >= 1, got {opts.staging_bytes}")
         return opts
+
+
+def _flag(env, name):
+    """A 0/1 switch: None when unset or empty (then ringcoll decides)."""
+    value = env.get(name, "").strip()
+    if not value:
+        return None
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise InvalidArgumentError(f"{name}={value!r}: use 1 (force it on), 0 (force it off) or leave "
+                               "it unset (ringcoll decides)")
 
 
 def _int(env, name):

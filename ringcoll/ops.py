@@ -3,7 +3,9 @@
 A ReduceOp gives algorithms a combine(a, b, out) function (out = a op b, in place into views)
 and knows what 'avg' adds around the sum: a division by the process count, before the
 reduction for float16/bfloat16 (so it cannot overflow) and after it for the other float types.
-The kernels themselves live in ringcoll.kernels.
+The kernels themselves live in ringcoll.kernels: NumPy ufuncs for host arrays, CUDA kernels
+(ringcoll.kernels.cuda) for CuPy arrays; bind(dtype, xp) picks them once per call, so the same
+numerics hold on both (float16/bfloat16 computed in float32, the same rounding).
 """
 
 import numpy as np
@@ -26,26 +28,42 @@ class ReduceOp:
     def __repr__(self):
         return f"ReduceOp({self.name!r})"
 
-    def bind(self, dtype):
-        """The combine function algorithms call: combine(a, b, out) sets out = a (op) b."""
-        return Combine(self.ufunc, accumulate_dtype(dtype))
+    def bind(self, dtype, xp=np):
+        """The combine function algorithms call: combine(a, b, out) sets out = a (op) b.
+
+        xp is the array module of the buffers: NumPy gets a Combine over NumPy ufuncs; CuPy gets
+        a kernels.cuda.CudaReduction (one kernel launch per call, compiled on first use).
+        """
+        if xp is np:
+            return Combine(self.ufunc, accumulate_dtype(dtype))
+        from .kernels import cuda  # only the GPU path needs it (and CuPy)
+
+        return cuda.reduction("sum" if self.name == "avg" else self.name, dtype)
+
+    def fuses_finish(self, dtype, size):
+        """True when the finishing division of 'avg' can ride on the last reduction step
+        (combine.final(size)): 'avg' on p > 1 ranks of a type that does not prescale."""
+        return self.name == "avg" and size > 1 and not self.prescales(dtype, size)
 
     def prescales(self, dtype, size):
         """float16/bfloat16 'avg' divides each contribution by p *before* the sum (in float32),
         as NCCL does, so the sum cannot overflow where the average itself would fit."""
         return self.name == "avg" and size > 1 and np.dtype(dtype) in HALF_TYPES
 
-    def start(self, src, target, size):
-        """The buffer to reduce: src itself, or src / size written into target (prescaling)."""
+    def start(self, src, target, size, combine=None):
+        """The buffer to reduce: src itself, or src / size written into target (prescaling).
+        combine (from bind) supplies the kernel for device arrays; None: the host one."""
         if not self.prescales(src.dtype, size):
             return src
-        kernels.scale_into(src, size, target, accumulate_dtype(src.dtype))
+        scale = kernels.scale_into if combine is None else combine.scale_into
+        scale(src, size, target, accumulate_dtype(src.dtype))
         return target
 
-    def finish(self, buf, size):
+    def finish(self, buf, size, combine=None):
         """The step after the reduction: divide by the process count for 'avg'."""
         if self.name == "avg" and size > 1 and buf.size and not self.prescales(buf.dtype, size):
-            kernels.scale_into(buf, size, buf, accumulate_dtype(buf.dtype))
+            scale = kernels.scale_into if combine is None else combine.scale_into
+            scale(buf, size, buf, accumulate_dtype(buf.dtype))
 
 
 class Combine:
@@ -65,6 +83,20 @@ class Combine:
 
     def bind(self, a, b, out):
         return kernels.bind_reduce(self.ufunc, a, b, out, self.acc)
+
+    def final(self, divisor):
+        """combine, then out /= divisor: the last ring step of 'avg' (see ReduceOp.fuses_finish).
+        Two ufunc calls on the CPU, the same values as dividing the whole result afterwards."""
+        ufunc, acc = self.ufunc, self.acc
+
+        def combine_and_scale(a, b, out):
+            kernels.reduce_into(ufunc, a, b, out, acc)
+            kernels.scale_into(out, divisor, out, acc)
+        return combine_and_scale
+
+    @staticmethod
+    def scale_into(src, divisor, out, acc=None):
+        kernels.scale_into(src, divisor, out, acc)
 
 
 _OPS = {name: ReduceOp(name) for name in ("sum", "prod", "max", "min", "avg")}

@@ -21,6 +21,10 @@ Cost (alpha = latency, beta = time per byte, gamma = reduction time per byte, n 
     all-reduce     2(p-1) a + 2(p-1)/p n b + (p-1)/p n g
 Each rank sends and receives 2(p-1)/p of the buffer: bandwidth-optimal. Every block is reduced
 by exactly one rank and then copied, so all ranks end with bitwise identical results.
+
+`final`, if given, replaces combine in the last reduce-scatter step, where each block is
+finished: 'avg' passes a combine that also divides by p there (one pass over n/p elements per
+rank, one kernel launch per segment on a GPU, instead of a later pass over all n).
 """
 
 from ..transport import Tag
@@ -35,13 +39,15 @@ from ..transport import Tag
 STILL_CACHED = 1 << 20
 
 
-def reduce_scatter(t, src, work, part, combine, ws, result=None):
+def reduce_scatter(t, src, work, part, combine, ws, result=None, final=None):
     """Reduce block `t.rank` of `part` into work[part.slices[t.rank]] (or into `result`).
 
     src is this rank's contribution; work is a flat buffer of the same size that the other
     blocks' partial reductions pass through. work may be src itself (in place); then a scratch
     block receives each incoming segment before it is reduced. result, if given, is where the
     last step reduces this rank's block instead (a reduce-scatter's output: no copy after).
+    final, if given, is the combine of the last step (see the module docstring); at p = 1
+    there is no step, and the caller finishes the block itself.
     """
     p, r = t.size, t.rank
     if p == 1:
@@ -68,13 +74,14 @@ def reduce_scatter(t, src, work, part, combine, ws, result=None):
         recvs = [t.irecv(incoming[k], left, Tag.RING_REDUCE_SCATTER) for k in pieces]
         forward = not last  # the block reduced now is the one sent at the next step
         copy_over = in_place and count * src.itemsize <= STILL_CACHED
+        reduce = final if last and final is not None else combine
         for k, req in zip(pieces, recvs):
             t.wait(req)
             if copy_over:
-                combine(incoming[k], mine[k], incoming[k])
+                reduce(incoming[k], mine[k], incoming[k])
                 acc[k] = incoming[k]
             else:
-                combine(incoming[k], mine[k], acc[k])
+                reduce(incoming[k], mine[k], acc[k])
             if forward:
                 sends.append(t.isend(acc[k], right, Tag.RING_REDUCE_SCATTER))
     t.waitall(sends)
@@ -102,8 +109,8 @@ def allgather(t, buf, part, ws):
     t.waitall(sends)
 
 
-def allreduce(t, src, dst, combine, ws):
+def allreduce(t, src, dst, combine, ws, final=None):
     """dst = reduction of every rank's src. dst may be src (in place)."""
     part = ws.partition(dst.size, t.size)
-    reduce_scatter(t, src, dst, part, combine, ws)
+    reduce_scatter(t, src, dst, part, combine, ws, final=final)
     allgather(t, dst, part, ws)

@@ -202,6 +202,24 @@ class MPITransport(Transport):
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
 
+    def cuda_support(self):
+        """(aware, why): can this MPI library read and write CUDA device memory?
+
+        Asks MPIX_Query_cuda_support() (MPICH >= 4, Open MPI, MVAPICH: an extension, so it is
+        looked up in the library mpi4py is linked to, through ctypes); a library without it
+        counts as not CUDA-aware. MPICH refuses the call before MPI_Init: ringcoll asks only
+        once a Communicator exists. The embedded mpich wheel answers 0.
+        """
+        import ctypes
+
+        try:
+            query = ctypes.CDLL(MPI.__file__).MPIX_Query_cuda_support
+        except (OSError, AttributeError):
+            return False, "no MPIX_Query_cuda_support() in this MPI library: not CUDA-aware"
+        query.restype, query.argtypes = ctypes.c_int, []
+        value = query()
+        return bool(value), f"MPIX_Query_cuda_support() returned {value}"
+
     def close(self):
         if self._watchdog is not None:
             self._watchdog.stop()

@@ -10,10 +10,12 @@ at once instead of hanging; a wait longer than `timeout` raises CollectiveTimeou
 """
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
 
+from ..arrays import array_module, is_device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
 from .base import Progress, Tag, Transport, describe_tag, size_mismatch
 
@@ -84,7 +86,9 @@ class ThreadTransport(Transport):
                     world.cond.notify_all()
                     break
             else:
-                world.unexpected[peer].append((self.rank, tag, data.copy()))
+                copy = data.copy()
+                _settle(copy)
+                world.unexpected[peer].append((self.rank, tag, copy))
         return _Request()
 
     def irecv(self, buf, peer, tag):
@@ -181,6 +185,17 @@ class ThreadTransport(Transport):
     def node_ids(self):
         return [0] * self.size
 
+    @staticmethod
+    def pause():
+        """Let the other thread ranks run: a busy wait over this transport (the staging's)
+        calls it between polls, or it would hold the GIL for whole switch intervals."""
+        time.sleep(0)
+
+    def cuda_support(self):
+        """Threads pass arrays by reference: a CuPy array is copied on the device (with CuPy's
+        own copies, on the current stream), so no staging is needed."""
+        return True, "the thread transport copies device arrays itself"
+
     def close(self):
         pass
 
@@ -191,7 +206,15 @@ def _deliver(req, data, src, dst, tag):
         req.error = (data.nbytes, dest.nbytes)  # raised by the receiver's wait (_mismatch)
     else:
         dest[...] = data
+        _settle(dest)
     req.done = True
+
+
+def _settle(buf):
+    """A copy of CuPy arrays runs on the copying thread's current stream, which the other
+    thread rank does not wait for: finish it before that rank may use the bytes."""
+    if type(buf) is not np.ndarray and is_device(buf):
+        array_module(buf).cuda.get_current_stream().synchronize()
 
 
 def run(size, fn, timeout=DEFAULT_TIMEOUT):
