@@ -169,10 +169,13 @@ class MPITransport(Transport):
                     "names the rank that differs).\n")
         return "".join(traceback.format_exception(exc))
 
-    def abort(self, message):
-        """Write message to stderr and end the whole job with ABORT_CODE."""
+    def abort(self, message, linger=0.0):
+        """Write message to stderr and end the whole job with ABORT_CODE, `linger` seconds
+        later (so other ranks can still print theirs)."""
         sys.stderr.write(message.rstrip("\n") + "\n")
         sys.stderr.flush()
+        if linger:
+            time.sleep(linger)
         if self._watchdog is not None:
             self._watchdog.stop()
         if MPI.Is_finalized():
@@ -393,4 +396,8 @@ class _Watchdog:
             f"{progress.waiting()}. That rank (or one it waits for) skipped this collective, "
             "called a different one, raised or exited: look for its own ringcoll message. "
             f"Aborting the job (MPI_Abort, exit code {ABORT_CODE}); if the job is only slow, "
-            "raise RINGCOLL_TIMEOUT (seconds; 0 = no limit).")
+            "raise RINGCOLL_TIMEOUT (seconds; 0 = no limit).",
+            # The other stuck ranks' watchdogs fire about now too: give them a moment to say
+            # where *they* wait before MPI_Abort ends every process, since together the
+            # messages show the whole deadlock (and who skipped which call).
+            linger=min(5.0, self.timeout / 2))
