@@ -246,16 +246,34 @@ class _Recv:
         return True
 
 
-class StagedTransport(Transport):
+class _Wrapper(Transport):
+    """What both device paths share: they wrap the host transport `inner` for one device, keep
+    its rank, size and progress record, and hand failure, topology and closing to it."""
+
+    def __init__(self, inner, device):
+        self.inner, self.device = inner, device
+        self.rank, self.size, self.progress = inner.rank, inner.size, inner.progress
+        self.thread_multiple = getattr(inner, "thread_multiple", True)
+
+    def fail(self, exc, why=None):
+        self.inner.fail(exc, why)
+
+    def node_ids(self):
+        return self.inner.node_ids()
+
+    def close(self):
+        self.inner.close()
+
+
+class StagedTransport(_Wrapper):
     """Device buffers through pinned host memory over `inner` (see the module docstring);
     host buffers go to inner unchanged."""
 
     def __init__(self, inner, device, chunk_bytes):
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-        self.inner, self.device, self.chunk = inner, device, int(chunk_bytes)
-        self.rank, self.size, self.progress = inner.rank, inner.size, inner.progress
-        self.thread_multiple = getattr(inner, "thread_multiple", True)
+        super().__init__(inner, device)
+        self.chunk = int(chunk_bytes)
         self.pool = PinnedPool(device, self.chunk)
         # between polls of a busy wait: nothing for MPI (its own Wait spins too); the thread
         # transport yields the GIL, or its ranks would wait for each other's time slices
@@ -379,19 +397,9 @@ class StagedTransport(Transport):
             "or on RINGCOLL_CUDA_AWARE). Pass the same count and dtype on every rank "
             "(RINGCOLL_DEBUG=1 names the rank that differs).")
 
-    # -- the rest is the inner transport's ---------------------------------------------------
-    def fail(self, exc, why=None):
-        self.inner.fail(exc, why)
-
-    def node_ids(self):
-        return self.inner.node_ids()
-
     def split(self, color, key):
         sub = self.inner.split(color, key)
         return None if sub is None else type(self)(sub, self.device, self.chunk)
-
-    def close(self):
-        self.inner.close()
 
 
 class _StagedNative(StagedTransport):
@@ -462,14 +470,9 @@ class _StagedNative(StagedTransport):
         return self.inner.allgather_object(obj)
 
 
-class CudaAwareTransport(Transport):
+class CudaAwareTransport(_Wrapper):
     """Device buffers straight to `inner` (a CUDA-aware MPI, or the thread transport), each
     call that touches one preceded by a synchronisation of the current CuPy stream."""
-
-    def __init__(self, inner, device):
-        self.inner, self.device = inner, device
-        self.rank, self.size, self.progress = inner.rank, inner.size, inner.progress
-        self.thread_multiple = getattr(inner, "thread_multiple", True)
 
     def __repr__(self):
         return f"<CudaAwareTransport over {self.inner!r}>"
@@ -534,18 +537,9 @@ class CudaAwareTransport(Transport):
     def test(self, req):
         return self.inner.test(req)
 
-    def fail(self, exc, why=None):
-        self.inner.fail(exc, why)
-
-    def node_ids(self):
-        return self.inner.node_ids()
-
     def split(self, color, key):
         sub = self.inner.split(color, key)
         return None if sub is None else type(self)(sub, self.device)
-
-    def close(self):
-        self.inner.close()
 
 
 class _CudaAwareNative(CudaAwareTransport):
