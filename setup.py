@@ -10,7 +10,8 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["ringcoll", "ringcoll.algorithms", "ringcoll.parallel", "ringcoll.transport",
+    packages=["ringcoll", "ringcoll.algorithms", "ringcoll.collectives", "ringcoll.parallel",
+              "ringcoll.transport",
               "ringcoll.kernels"],
     package_dir={"ringcoll.kernels": "kernels"},
     package_data={"ringcoll": ["tuning_default.json"]},  # auto's built-in tuning table

@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 
+from .cache import BoundedCache
 from .errors import InvalidTypeError
 
 try:  # bfloat16 is not a NumPy type; ml_dtypes provides it where installed.
@@ -118,15 +119,17 @@ class Workspace:
     """Scratch buffers, block partitions and schedules cached per communicator.
 
     After the first call of a given size nothing is allocated: scratch(name, count, dtype)
-    hands out a view of a byte buffer that only ever grows. `empty(nbytes)` allocates those
-    byte buffers: host memory by default, device memory for a GPU's workspace.
+    hands out a view of a byte buffer that only ever grows (one per name, so their number is
+    fixed). `empty(nbytes)` allocates those byte buffers: host memory by default, device memory
+    for a GPU's workspace. Partitions, segment lists and schedules are cached per size in one
+    BoundedCache, so a job that runs many different sizes keeps only the latest few hundred.
     """
 
     def __init__(self, segment_bytes, empty=None):
         self.segment_bytes = segment_bytes
         self._empty = empty or _host_bytes
         self._buffers = {}
-        self._plans = {}  # partitions and algorithm schedules, by key
+        self._plans = BoundedCache()  # partitions, segment lists and schedules, by key
 
     def scratch(self, name, count, dtype):
         dtype = np.dtype(dtype)
@@ -138,10 +141,7 @@ class Workspace:
 
     def cached(self, key, build):
         """A partition or schedule cached under key: build() runs on the first call only."""
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._plans[key] = build()
-        return plan
+        return self._plans.cached(key, build)
 
     def drop_plans(self):
         """Forget the cached partitions and schedules (some hold views of the transport they

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from .arrays import HALF_TYPES
+from .communicator import Communicator
 from .compression import Compressor
 from .errors import CollectiveMismatchError, InvalidArgumentError, RingcollError
 
@@ -87,8 +88,6 @@ class DistributedOptimizer:
     def __init__(self, optimizer, comm=None, op="avg", bucket_bytes=DEFAULT_BUCKET_BYTES,
                  compression=None, backward_passes_per_step=1):
         if comm is None:
-            from .communicator import Communicator
-
             comm = Communicator()
         self.optimizer, self.comm = optimizer, comm
         ctx = f"ringcoll rank {comm.rank}, DistributedOptimizer: "
@@ -360,7 +359,5 @@ def broadcast_bytes(comm, data, root=0):
 
 def _comm(comm):
     if comm is None:
-        from .communicator import Communicator
-
         comm = Communicator()
     return comm

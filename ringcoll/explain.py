@@ -49,6 +49,7 @@ from .algorithms import CostModel, bruck as bruck_mod
 from .algorithms.hierarchical import owned_blocks, owner
 from .algorithms.recursive_doubling import core_rank, fold
 from .arrays import Partition
+from .communicator import run_threads, simulate
 
 COLLECTIVES = {  # collective -> (its algorithms, the default)
     "allreduce": (("ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical",
@@ -233,8 +234,6 @@ def run(ex, labels, snapshots):
     out first, then every buffer it has sent from or received into, a received one from its
     next message on (until the data lands it holds old memory).
     """
-    from .communicator import simulate
-
     xs, outs = ex.inputs(labels), ex.outputs()
     arrays = [[a for a in pair if a is not None] for pair in zip(xs, outs)]
     views, known = [list(a) for a in arrays], [{_key(a) for a in own} for own in arrays]
@@ -947,8 +946,6 @@ def example_from_args(args):
     nodes = ([list(range(i, min(i + local, p))) for i in range(0, p, local)] if local
              else [list(range(p))])
     if name == "auto":
-        from .communicator import run_threads
-
         name = run_threads(p, lambda c: c.auto_algorithm(n * DTYPE.itemsize), tuning=False,
                            local_size=local, cost_model=CostModel())[0]
         print(f"ringcoll explain: auto picks {name} for {n * DTYPE.itemsize} B on {p} ranks "

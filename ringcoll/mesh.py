@@ -25,6 +25,7 @@ Cost: three Communicator.split calls when built (one collective each); nothing a
 
 import numpy as np
 
+from .communicator import Communicator
 from .errors import InvalidArgumentError, where
 
 AXES = ("pp", "dp", "tp")  # outer to inner
@@ -61,8 +62,6 @@ class Mesh:
 
     def __init__(self, comm=None, *, dp=None, tp=1, pp=1, order=AXES):
         if comm is None:
-            from .communicator import Communicator
-
             comm = Communicator()
         ctx = where(comm.rank, "Mesh")
         for name, value in (("tp", tp), ("pp", pp), ("dp", dp)):

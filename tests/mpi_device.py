@@ -57,10 +57,10 @@ def cupy_setup(args):
     gpus = cupy.cuda.runtime.getDeviceCount()
     cupy.cuda.Device(local_rank % gpus).use()
     comm = ringcoll.Communicator(local_size=2, staging_bytes=args.chunk)
-    aware, why = comm._t.cuda_support()
+    aware, why = comm._g.t.cuda_support()
     probe = cupy.zeros(1, dtype=cupy.float32)
     path, why_path = comm.device_path(probe)
-    side = comm._devices[probe.device.id]
+    side = comm._g.sides.devices[probe.device.id]
     dtypes = [d for d in O.ALL_DTYPES if d != O.BFLOAT16 or cupy_bfloat16_ok(cupy)]
     info = {"cuda_support": [aware, why], "path": path, "why": why_path,
             "device": f"cupy {cupy.__version__}, GPU {probe.device.id} of {gpus}",

@@ -236,7 +236,7 @@ def test_staged_path_allocates_nothing_after_the_first_call_of_a_shape():
         for algorithm in ("ring", "recursive_doubling"):  # the first call of each
             comm.allreduce(x, algorithm=algorithm)
             stream.synchronize()
-        pool = comm._devices[x.device.id].t.pool
+        pool = comm._g.sides.devices[x.device.id].t.pool
         before = pool.allocated
         for algorithm in ("ring", "recursive_doubling", "ring", "ring", "recursive_doubling"):
             comm.allreduce(x, algorithm=algorithm)

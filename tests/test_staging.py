@@ -106,7 +106,7 @@ def test_chunk_bounds_depend_only_on_the_size():
 def test_no_pinned_allocation_after_the_first_call_of_a_shape():
     def fn(comm, dev):
         x = np.arange(5000, dtype=np.float32)
-        pool = comm._t.pool
+        pool = comm._g.t.pool
         comm.allreduce(x, algorithm="ring")
         first = pool.allocated
         for algorithm in ("ring", "ring", "recursive_doubling", "recursive_doubling"):
@@ -248,7 +248,7 @@ def test_cuda_aware_synchronises_before_every_call_on_a_device_buffer():
 
 def test_the_path_choice():
     def fn(comm, dev):
-        t = comm._t
+        t = comm._g.t
         return (for_device(t, dev)[:2], for_device(t, dev, aware=False, chunk_bytes=128)[1],
                 type(for_device(t, dev, aware=True)[0]).__name__)
 

@@ -16,6 +16,7 @@ import pytest
 
 import ringcoll
 from ringcoll.arrays import Partition
+from ringcoll.collectives.allreduce import pick_inner
 from ringcoll.transport.trace import TracingTransport
 
 TIMEOUT = 20
@@ -229,7 +230,7 @@ def test_allreduce_hierarchical(p, local_size):
         inner = []
         for n in sizes(p):
             comm.allreduce(np.ones(n, np.float32), algorithm="hierarchical")
-            inner.append(comm._pick_inner(4 * n))
+            inner.append(pick_inner(comm._g, 4 * n))
         return inner
 
     results, trace = simulate(p, body, local_size=local_size, segment_bytes=segment)
@@ -248,7 +249,7 @@ def test_hierarchical_every_inner(inner):
     p, k, n = 10, 3, 41
 
     def body(comm):
-        comm._auto[("inner", 8 * n)] = inner  # what _pick_inner would have cached
+        comm._g.choices.put(("inner", 8 * n), inner)  # what pick_inner would have cached
         comm.allreduce(np.ones(n), algorithm="hierarchical")
 
     _, trace = simulate(p, body, local_size=k)
@@ -446,17 +447,17 @@ def test_replay_and_cached_schedules_across_trace(algorithm):
     def body(comm):
         x = np.arange(n, dtype=np.float64) + comm.rank
         y = np.empty_like(x)
-        original = comm._t
+        original = comm._g.t
         comm.allreduce(x, algorithm=algorithm, out=y)  # builds the replay plan (and views)
         comm.allreduce(x, algorithm=algorithm, out=y)  # replays it
-        assert comm._plan is not None
+        assert comm._runner._replay is not None
         with comm.trace() as t:
-            assert isinstance(comm._t, TracingTransport) and comm._plan is None
+            assert isinstance(comm._g.t, TracingTransport) and comm._runner._replay is None
             comm.allreduce(x, algorithm=algorithm, out=y)  # built anew on the tracer
             first = len(t)
             comm.allreduce(x, algorithm=algorithm, out=y)  # replayed, and traced
             assert len(t) == 2 * first > 0
-        assert comm._t is original and comm._plan is None
+        assert comm._g.t is original and comm._runner._replay is None
         y[...] = 0
         comm.allreduce(x, algorithm=algorithm, out=y)  # after: built on the real transport
         comm.allreduce(x, algorithm=algorithm, out=y)  # replayed, not traced
@@ -470,11 +471,11 @@ def test_replay_and_cached_schedules_across_trace(algorithm):
 
 def test_error_inside_trace_restores_the_transport():
     def body(comm):
-        original = comm._t
+        original = comm._g.t
         with pytest.raises(ValueError):
             with comm.trace():
                 raise ValueError("on purpose")
-        assert comm._t is original
+        assert comm._g.t is original
         return comm.allreduce(np.ones(2))
 
     [y] = ringcoll.run_threads(1, body, timeout=TIMEOUT)

@@ -1,0 +1,22 @@
+"""The collectives: one module each, with its argument checks, algorithm choice and plan.
+
+A module `m` here has NAME (the collective, as errors and debug mode name it), ALGORITHMS
+(the algorithm names it accepts besides "auto"; the first is what "auto" runs where it has
+no choice to make) and plan(g, ctx, *args) -> runner.Plan, which checks the arguments of
+one call and builds the steps it runs. The Communicator's method of the same name passes
+its arguments to the runner with the module: runner.plan(m, *args), then runner.run(plan).
+Shared argument helpers are in _args.py. The registry below lists every collective.
+"""
+
+from . import allgather, allreduce, alltoall, barrier, broadcast, reduce, reduce_scatter
+
+#: name -> module, one line per collective
+COLLECTIVES = {
+    allreduce.NAME: allreduce,
+    reduce_scatter.NAME: reduce_scatter,
+    allgather.NAME: allgather,
+    broadcast.NAME: broadcast,
+    reduce.NAME: reduce,
+    alltoall.NAME: alltoall,
+    barrier.NAME: barrier,
+}

@@ -1,0 +1,198 @@
+"""Argument helpers every collective shares: inputs and their side, dtype and op checks,
+out= validation and allocation, memory layouts, roots and algorithm names.
+
+Each takes the Group and the error prefix `ctx` ("ringcoll rank R, allreduce: ") and raises
+InvalidArgumentError / InvalidTypeError naming what is wrong and what to pass instead.
+"""
+
+from functools import partial
+
+import numpy as np
+
+from ..arrays import array_module, check_dtype, flat_view, is_device, writeable
+from ..errors import InvalidArgumentError, InvalidTypeError
+from ..ops import check_op_dtype, get_op
+
+
+def array_input(g, x, ctx):
+    """(x as an array, its side), dtype checked: a CuPy array stays one."""
+    if type(x) is not np.ndarray and is_device(x):
+        check_dtype(x.dtype, ctx)
+        return x, g.sides.device(x, ctx)
+    x = np.asarray(x)
+    check_dtype(x.dtype, ctx)
+    return x, g.host
+
+
+def rows_input(g, x, ctx):
+    """array_input, with x as C-contiguous rows of axis 0 (see as_rows)."""
+    x, side = array_input(g, x, ctx)
+    return as_rows(x), side
+
+
+def reduction(g, x, op, ctx):
+    """(x as an array, the ReduceOp, its combine function, x's side), checked once per
+    side, dtype and op name: on the hot path this is a type check and a dict lookup."""
+    if type(x) is np.ndarray:
+        side = g.host
+    elif is_device(x):
+        side = g.sides.device(x, ctx)
+    else:
+        x, side = np.asarray(x), g.host
+    key = (x.dtype, op) if isinstance(op, str) else None  # MPI.Op objects are unhashable
+    found = side.reductions.get(key) if key is not None else None
+    if found is None:
+        check_dtype(x.dtype, ctx)
+        reduce_op = get_op(op, ctx)
+        check_op_dtype(reduce_op, x.dtype, ctx)
+        found = (reduce_op, reduce_op.bind(x.dtype, side.xp))
+        if key is not None:
+            side.reductions[key] = found
+    return (x, *found, side)
+
+
+def same_memory(out, side, ctx):
+    """InvalidTypeError unless out lives where x does (host, or x's GPU)."""
+    if side.device is None:
+        if is_device(out):
+            raise InvalidTypeError(
+                f"{ctx}out is a CuPy array (GPU {out.device.id}) but x is a NumPy array; "
+                "pass both on the GPU or both on the host (out=np.empty_like(x))")
+        if not isinstance(out, np.ndarray):
+            raise InvalidTypeError(f"{ctx}out must be a NumPy array, got "
+                                   f"{type(out).__name__}")
+        return
+    if not is_device(out):
+        raise InvalidTypeError(
+            f"{ctx}out is a {type(out).__module__}.{type(out).__name__} in host memory but "
+            f"x is a CuPy array on GPU {side.device}; results stay on x's device: pass "
+            "out=cupy.empty_like(x)")
+    if out.device.id != side.device:
+        raise InvalidTypeError(
+            f"{ctx}out is on GPU {out.device.id} but x on GPU {side.device}; pass out on "
+            "x's device (out=cupy.empty_like(x))")
+
+
+def output(out, shape, dtype, ctx, side, rows=False):
+    """Validate a user's out= (or allocate one of shape and dtype, on x's side).
+
+    rows=True: the collective writes axis-0 blocks through rows_target, so any layout
+    of out works; otherwise out must be contiguous (it is reduced into in memory order).
+    """
+    if out is None:
+        return side.xp.empty(shape, dtype)
+    same_memory(out, side, ctx)
+    if out.shape != tuple(shape) or out.dtype != dtype:
+        raise InvalidArgumentError(
+            f"{ctx}out has shape {out.shape} and dtype {out.dtype}; it must be shape "
+            f"{tuple(shape)} and dtype {np.dtype(dtype)}")
+    if not writeable(out):
+        raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
+    if not (rows or out.flags.c_contiguous or out.flags.f_contiguous):
+        raise InvalidArgumentError(
+            f"{ctx}out is not contiguous; pass a C- or F-contiguous array "
+            "(np.empty(shape, dtype)) and copy the result where you need it")
+    return out
+
+
+def rows_target(out):
+    """(flat buffer to write the C-ordered result into, out or None to copy it into)."""
+    if out.flags.c_contiguous:
+        return out.reshape(-1), None
+    # an F-ordered or strided out: one copy
+    staging = array_module(out).empty(out.shape, out.dtype)
+    return staging.reshape(-1), out
+
+
+def copy_rows(dst, copy_to):
+    """Finish a rows_target: copy the C-ordered result dst into out where it was staged."""
+    if copy_to is not None:
+        copy_to[...] = dst.reshape(copy_to.shape)
+
+
+def elementwise(x, out, ctx, side):
+    """(out, src, dst, copy_out) for an elementwise collective.
+
+    src and dst are flat and in x's memory order (C, or F for an F-contiguous x; a strided
+    x is copied to C once): every rank sends and reduces in the order of its x, which is
+    why x must have the same layout on every rank, while out may have any contiguous
+    layout. dst is out itself when out is laid out like x (src is dst when out is x);
+    otherwise it is a staging buffer and copy_out() copies the result into out.
+    """
+    xp = side.xp
+    src = flat_view(x)
+    if out is x:
+        if src is None:
+            raise InvalidArgumentError(f"{ctx}in-place (out=x) needs a contiguous x; pass "
+                                       "np.ascontiguousarray(x) and use the returned array")
+        if not writeable(x):
+            raise InvalidArgumentError(f"{ctx}x is read-only and cannot be reduced in place")
+        return out, src, src, None
+    if src is None:
+        x = xp.ascontiguousarray(x)  # one copy, for a non-contiguous x
+        src = x.reshape(-1)
+    if out is None:
+        out = xp.empty_like(x)  # laid out like x, so both flatten in the same order
+        return out, src, flat_view(out), None
+    output(out, x.shape, x.dtype, ctx, side)
+    if xp.may_share_memory(x, out) and xp.shares_memory(x, out):
+        raise InvalidArgumentError(f"{ctx}out overlaps x without being x; use out=x for "
+                                   "in place or a separate buffer")
+    if out.flags.c_contiguous == x.flags.c_contiguous:
+        return out, src, flat_view(out), None
+    staging = xp.empty(x.shape, x.dtype, order="C" if x.flags.c_contiguous else "F")
+    return out, src, flat_view(staging), partial(xp.copyto, out, staging)
+
+
+def send_view(x, side):
+    """x as a flat buffer to send from, in its memory order (a non-contiguous x copied)."""
+    src = flat_view(x)
+    return src if src is not None else side.xp.ascontiguousarray(x).reshape(-1)
+
+
+def fields(g, side, op=None, x=None, **more):
+    """This rank's call as debug mode's fingerprint records it; None outside debug mode."""
+    if not g.options.debug:
+        return None
+    found = {}
+    if op is not None:
+        found["op"] = op.name
+    if x is not None:
+        found["dtype"], found["shape"] = x.dtype.name, list(x.shape)
+        if x.ndim > 1:  # the order x is sent and reduced in (see elementwise)
+            found["layout"] = "F" if x.flags.f_contiguous and not x.flags.c_contiguous else "C"
+    found.update(more)
+    if side is not None:
+        found.update(side.memory())
+    return found
+
+
+def pick_simple(algorithm, own, ctx):
+    """Collectives with one ringcoll algorithm, `own`: 'auto' (or None) means that one."""
+    if algorithm in (None, "auto", own):
+        return own
+    if algorithm == "native":
+        return "native"
+    raise InvalidArgumentError(
+        f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
+
+
+def check_root(g, root, ctx):
+    if not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
+        raise InvalidArgumentError(f"{ctx}root={root!r} is not a rank of this communicator "
+                                   f"(0..{g.size - 1})")
+
+
+def as_rows(x):
+    """x as C-contiguous rows of axis 0 (a 0-d x becomes one row): blocks are whole rows."""
+    return array_module(x).ascontiguousarray(x.reshape(1) if x.ndim == 0 else x)
+
+
+def row_elems(x):
+    """Elements in one row of axis 0."""
+    return int(np.prod(x.shape[1:], dtype=np.int64)) if x.ndim > 1 else 1
+
+
+def on_side(run, side):
+    """run, on side's device stream if it is a GPU's (a NumPy call skips the wrapper)."""
+    return run if side.device is None else side.on_stream(run)

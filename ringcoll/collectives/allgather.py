@@ -1,0 +1,87 @@
+"""All-gather: every rank's x concatenated along axis 0, on every rank.
+
+Ranks may pass different lengths on axis 0: the row counts (and a check that dtypes,
+trailing shapes and out= agree) travel first in a small all-gather of 5 numbers per rank
+(rows), then the data. The ringcoll algorithm is the ring's all-gather half
+(algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "native"
+is MPI_Allgatherv.
+"""
+
+import zlib
+
+import numpy as np
+
+from .. import checks
+from ..algorithms import native, ring
+from ..arrays import Partition
+from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
+from ..runner import Plan
+from . import _args
+
+NAME = "allgather"
+ALGORITHMS = ("ring", "native")
+
+
+def plan(g, ctx, x, out, algorithm):
+    x, side = _args.rows_input(g, x, ctx)
+    name = _args.pick_simple(algorithm, "ring", ctx)
+    if name == "native":
+        native.check(side.t, None, ctx)
+    if out is not None:  # all but its row count can be checked now; that comes later
+        rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
+        _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
+    src = x.reshape(-1)
+
+    def run():
+        counts = rows(g, x, out, name)  # host numbers, over the host transport
+        part = Partition([r * _args.row_elems(x) for r in counts])
+        result = _args.output(out, (sum(counts),) + x.shape[1:], x.dtype, ctx, side, rows=True)
+        dst, copy_to = _args.rows_target(result)
+        if name == "native":
+            side.t.native_allgather(src, dst, part.counts)
+        else:
+            dst[part.slices[g.rank]] = src
+            ring.allgather(side.t, dst, part, side.ws)
+        _args.copy_rows(dst, copy_to)
+        return result
+
+    # axis 0 may differ between ranks: the fingerprint leaves it out
+    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]))
+    return Plan(NAME, name, fields, _args.on_side(run, side))
+
+
+def rows(g, x, out, name, collective=NAME):
+    """Every rank's row count, once all ranks know that dtypes, trailing shapes and the
+    row counts of the out= arrays agree (else every rank raises, so none is left waiting).
+
+    The 5 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
+    algorithm='native' (so the native baseline pays no ringcoll step).
+    """
+    layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
+    out_rows = -1 if out is None else out.shape[0]
+    mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows], dtype=np.int64)
+    meta = np.empty((g.size, mine.size), dtype=np.int64)
+    meta[g.rank] = mine
+    flat = meta.reshape(-1)
+    part = g.host.ws.partition(flat.size, g.size)
+    if name == "native":
+        g.t.native_allgather(mine, flat, part.counts)
+    else:
+        ring.allgather(g.t, flat, part, g.host.ws)
+    ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "
+    bad = [r for r in range(g.size) if tuple(meta[r, 1:4]) != tuple(mine[1:4])]
+    if bad:
+        raise checks.agreed(CollectiveMismatchError(
+            f"{ctx}rank(s) {bad} passed a different dtype or trailing shape than this rank "
+            f"({x.dtype}, {x.shape[1:]}); only axis 0 may differ between ranks"))
+    total = int(meta[:, 0].sum())
+    wrong = [r for r in range(g.size) if meta[r, 4] not in (-1, total)]
+    if g.rank in wrong:
+        raise checks.agreed(InvalidArgumentError(
+            f"{ctx}out has shape {out.shape}, but the ranks pass {total} rows in all; pass "
+            f"out of shape {(total,) + x.shape[1:]} or out=None"))
+    if wrong:
+        raise checks.agreed(PeerFailedError(
+            f"{ctx}rank(s) {wrong} passed out= with the wrong row count (the result has "
+            f"{total} rows), so no rank runs this {collective}"))
+    return [int(v) for v in meta[:, 0]]

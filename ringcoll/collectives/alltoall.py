@@ -1,0 +1,39 @@
+"""All-to-all: rank i sends block j of x (axis 0 in size equal blocks) to rank j.
+
+The ringcoll algorithm is the pairwise exchange (algorithms/alltoall.py: p-1 steps, at step s
+rank r sends block r+s to rank r+s and receives from r-s: (p-1) a + (p-1)/p n b); "native"
+is MPI_Alltoall.
+"""
+
+from ..algorithms import alltoall as pairwise
+from ..algorithms import native
+from ..errors import InvalidArgumentError
+from ..runner import Plan
+from . import _args
+
+NAME = "alltoall"
+ALGORITHMS = ("pairwise", "native")
+
+
+def plan(g, ctx, x, out, algorithm):
+    x, side = _args.rows_input(g, x, ctx)
+    if x.shape[0] % g.size:
+        raise InvalidArgumentError(
+            f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the communicator size "
+            f"{g.size} (one equal block per rank)")
+    name = _args.pick_simple(algorithm, "pairwise", ctx)
+    out = _args.output(out, x.shape, x.dtype, ctx, side, rows=True)
+    src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
+    part = side.ws.row_partition(x.shape[0], g.size, _args.row_elems(x))
+    if name == "native":
+        native.check(side.t, None, ctx)
+
+    def run():
+        if name == "native":
+            side.t.native_alltoall(src, dst)
+        else:
+            pairwise.alltoall(side.t, src, dst, part)
+        _args.copy_rows(dst, copy_to)
+        return out
+
+    return Plan(NAME, name, _args.fields(g, side, x=x), _args.on_side(run, side))

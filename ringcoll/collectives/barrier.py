@@ -1,0 +1,28 @@
+"""Barrier: return only once every rank has entered it.
+
+The ringcoll algorithm is dissemination (algorithms/barrier.py: ceil(log2 p) rounds, at
+round k rank r signals r + 2^k and waits for r - 2^k, ceil(log2 p) a); "native" is
+MPI_Barrier.
+"""
+
+from ..algorithms import barrier as dissemination
+from ..algorithms import native
+from ..runner import Plan
+from . import _args
+
+NAME = "barrier"
+ALGORITHMS = ("dissemination", "native")
+
+
+def plan(g, ctx, algorithm):
+    name = _args.pick_simple(algorithm, "dissemination", ctx)
+    if name == "native":
+        native.check(g.t, None, ctx)
+
+    def run():
+        if name == "native":
+            g.t.native_barrier()
+        else:
+            dissemination.barrier(g.t, g.host.ws)
+
+    return Plan(NAME, name, _args.fields(g, None), run)

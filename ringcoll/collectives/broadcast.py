@@ -1,0 +1,47 @@
+"""Broadcast: copy root's x into x on every rank, in place.
+
+The ringcoll algorithm is the binomial tree (algorithms/tree.py: ceil(log2 p) rounds, each
+rank receiving once, ceil(log2 p)(a + n b) on the root's critical path); "native" is
+MPI_Bcast.
+"""
+
+import numpy as np
+
+from ..algorithms import native, tree
+from ..arrays import check_dtype, flat_view, is_device, writeable
+from ..errors import InvalidArgumentError, InvalidTypeError
+from ..runner import Plan
+from . import _args
+
+NAME = "broadcast"
+ALGORITHMS = ("tree", "native")
+
+
+def plan(g, ctx, x, root, algorithm):
+    if isinstance(x, np.ndarray):
+        side = g.host
+    elif is_device(x):
+        side = g.sides.device(x, ctx)
+    else:
+        raise InvalidTypeError(f"{ctx}broadcast works in place and needs a NumPy (or CuPy) "
+                               f"array, got {type(x).__name__}")
+    check_dtype(x.dtype, ctx)
+    _args.check_root(g, root, ctx)
+    name = _args.pick_simple(algorithm, "tree", ctx)
+    buf = flat_view(x)
+    if buf is None:
+        raise InvalidArgumentError(f"{ctx}x is not contiguous; broadcast into "
+                                   "np.ascontiguousarray(x) and copy back")
+    if g.rank != root and not writeable(x):
+        raise InvalidArgumentError(f"{ctx}x is read-only; broadcast needs to write into it")
+    if name == "native":
+        native.check(side.t, None, ctx)
+
+    def run():
+        if name == "native":
+            side.t.native_bcast(buf, root)
+        else:
+            tree.broadcast(side.t, buf, root, side.ws)
+        return x
+
+    return Plan(NAME, name, _args.fields(g, side, x=x, root=int(root)), _args.on_side(run, side))

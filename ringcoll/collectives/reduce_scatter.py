@@ -1,0 +1,49 @@
+"""Reduce-scatter: reduce x over all ranks, rank r keeps the r-th axis-0 block of the result.
+
+Blocks follow np.array_split(x, size) (the first x.shape[0] % size get one more row). The
+ringcoll algorithm is the ring's reduce-scatter half (algorithms/ring.py: (p-1) steps of one
+block each, (p-1)a + (p-1)/p n b + (p-1)/p n g); "native" is MPI_Reduce_scatter.
+"""
+
+from .. import checks
+from ..algorithms import native, ring
+from ..runner import Plan
+from . import _args
+
+NAME = "reduce_scatter"
+ALGORITHMS = ("ring", "native")
+
+
+def plan(g, ctx, x, op, out, algorithm):
+    x, op, combine, side = _args.reduction(g, x, op, ctx)
+    t, ws, size = side.t, side.ws, g.size
+    x = _args.as_rows(x)
+    name = _args.pick_simple(algorithm, "ring", ctx)
+    part = ws.row_partition(x.shape[0], size, _args.row_elems(x))
+    base, extra = divmod(x.shape[0], size)
+    rows = base + (1 if g.rank < extra else 0)
+    out = _args.output(out, (rows,) + x.shape[1:], x.dtype, ctx, side, rows=True)
+    src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
+    if name == "native":
+        native.check(t, x.dtype, ctx)
+    # avg: the division in the last ring step
+    fused = op.name == "avg" and name != "native" and op.fuses_finish(x.dtype, size)
+
+    def run():
+        if name == "native":
+            t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
+        else:
+            checks.neighbour_check(t, "reduce_scatter", src.size, src.dtype, op.name)
+            # The last step reduces straight into dst; work carries the partial sums of
+            # the other blocks, of which there are none at p = 2 (unless avg prescales).
+            prescales = op.prescales(src.dtype, size)
+            work = ws.scratch("rs.work", src.size if size > 2 or prescales else 0, src.dtype)
+            mine = op.start(src, work, size, combine)  # work itself if avg prescales
+            ring.reduce_scatter(t, mine, work, part, combine, ws, result=dst,
+                                final=combine.final(size) if fused else None)
+        if not fused:
+            op.finish(dst, size, combine)
+        _args.copy_rows(dst, copy_to)
+        return out
+
+    return Plan(NAME, name, _args.fields(g, side, op, x), _args.on_side(run, side))

@@ -1,0 +1,222 @@
+"""The runner: how every checked call (a Plan) runs, in one place.
+
+- plan(): check a call's arguments by building its Plan; a bad argument is raised on this
+  rank, and in debug mode the other ranks are told first, so they raise PeerFailedError
+  instead of waiting for it.
+- run(): inline on the caller's thread, or, while non-blocking calls are pending, queued
+  behind them on the background thread, so everything runs in call order.
+- submit(): a non-blocking call: queued on the background thread, a Request returned.
+- replay(): a repeated identical all-reduce (the very same arrays, op and algorithm) runs its
+  checked steps again, skipping every check and every allocation: the small-message hot path.
+- every run sits between Progress.begin and .end (the watchdog and error messages read them);
+  in debug mode the ranks first agree on the call (checks.exchange_fingerprints); an error
+  that every rank raised alike propagates, any other goes to the transport's fail() (MPI:
+  print it and abort the job, since the peers may wait for this rank forever).
+
+Collectives never reimplement any of this: they build Plans.
+"""
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+from . import checks
+from .cache import BoundedCache
+from .errors import InvalidArgumentError, RingcollError, where
+
+
+class Plan:
+    """One checked call, ready to run: run() does it and returns its result.
+
+    collective and algorithm name it (Progress, errors, debug mode); fields is debug mode's
+    description of this rank's call (None outside debug mode); schedule lists the (peer, tag)
+    of its bound steps, in order (see Progress). replay, if set, is the Replay a repeated
+    identical call may run instead of building a new plan.
+    """
+
+    __slots__ = ("collective", "algorithm", "fields", "run", "schedule", "replay")
+
+    def __init__(self, collective, algorithm, fields, run, schedule=(), replay=None):
+        self.collective, self.algorithm, self.fields = collective, algorithm, fields
+        self.run, self.schedule, self.replay = run, schedule, replay
+
+
+class Replay:
+    """A call's arguments and its checked steps. It holds x and out, so their ids cannot be
+    reused while it lives: `replay.x is x` proves the very same arrays come back."""
+
+    __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps", "plan")
+
+    def __init__(self, x, out, op, algorithm, steps, plan):
+        self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
+        self.dtype, self.steps, self.plan = x.dtype, steps, plan
+        self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
+
+
+def run_steps(steps, result):
+    for step in steps:
+        step()
+    return result
+
+
+class Request:
+    """A non-blocking collective (iallreduce) or message (isend, irecv) in flight: wait()
+    returns its result, test() polls.
+
+    Once a collective has finished, `seconds` is how long it ran on the background thread (not
+    counting its wait in the queue): the communication time that overlap can hide.
+    """
+
+    def __init__(self, future=None):
+        self._future = future
+        self.seconds = None
+
+    def wait(self):
+        """Block until the collective has finished and return its result (or raise its error)."""
+        return self._future.result()
+
+    def test(self):
+        """True once the collective has finished; never blocks."""
+        return self._future.done()
+
+
+class Runner:
+    """Runs one communicator's plans (see the module doc); g is its Group."""
+
+    def __init__(self, g):
+        self.g = g
+        self._executor = None  # the thread that runs non-blocking collectives, once needed
+        self._tail = None  # the last non-blocking collective submitted, while it may be pending
+        self._replay = None  # the last replayable call (an allreduce with out=)
+        self._printed = BoundedCache()  # debug mode: the calls whose algorithm rank 0 printed
+
+    # -- checking -------------------------------------------------------------------------
+    def plan(self, collective, *args, call=None):
+        """collective.plan(g, ctx, *args): the checked call's Plan. `collective` is the
+        collective's module (ringcoll.collectives.*); `call` names the method in error
+        messages where it differs (iallreduce)."""
+        g = self.g
+        name = collective.NAME
+        g.check_open(name)
+        try:
+            return collective.plan(g, where(g.rank, call or name), *args)
+        except InvalidArgumentError as exc:
+            self.invalid(exc, name)
+            raise
+
+    def invalid(self, exc, collective):
+        """This rank's arguments are invalid (exc is about to be raised). In debug mode the
+        other ranks are told first, so they raise PeerFailedError instead of waiting."""
+        if self.g.options.debug and not self.g.closed:
+            self.run(Plan(collective, None, {"error": f"{type(exc).__name__}: {exc}"},
+                          lambda: None))
+
+    # -- running --------------------------------------------------------------------------
+    def run(self, plan):
+        """Run plan (see execute), after any pending non-blocking calls; return its result."""
+        if plan.replay is not None:
+            self._replay = plan.replay
+        job = partial(self.execute, plan)
+        if self._tail is not None:
+            if not self._tail.done():
+                self._tail = self._executor.submit(job)  # keep call order: run after them
+                return self._tail.result()
+            self._tail = None  # nothing pending: the replay fast path may run again
+        return job()
+
+    def execute(self, plan):
+        """plan.run() between progress.begin and .end, after debug mode's agreement. An error
+        every rank raises alike (a failed check) simply propagates. Any other error means this
+        rank stopped part-way while its peers may wait for it forever: the transport's fail()
+        handles it (MPI: abort the job)."""
+        g = self.g
+        progress = g.progress
+        progress.begin(plan.collective, plan.algorithm, plan.schedule)
+        try:
+            if g.options.debug:
+                self.agree(plan.collective, plan.algorithm, plan.fields)
+            result = plan.run()
+        except BaseException as exc:
+            if not getattr(exc, "ringcoll_agreed", False):
+                g.t.fail(exc)
+            raise
+        finally:
+            progress.end()
+        return result
+
+    def replay(self, x, out, op, algorithm):
+        """Run the last replayable call again if this is the very same call (same x, out, op
+        and algorithm objects, x's dtype unchanged, nothing pending) and return its result;
+        None if it is not (then the caller builds a plan)."""
+        r = self._replay
+        if (r is None or r.x is not x or r.out is not out or r.op is not op
+                or r.algorithm is not algorithm or r.dtype is not x.dtype
+                or self._tail is not None):
+            return None
+        if r.plan.fields is not None:  # debug mode: the ranks still compare every call
+            return self.execute(r.plan)
+        progress = self.g.progress
+        progress.seq += 1  # progress.begin, inlined: this is the small-message hot path
+        progress.current, progress.at = r.current, None
+        try:
+            for step in r.steps:
+                step()
+        except BaseException as exc:
+            self.g.t.fail(exc)  # MPI: print it and abort the job; threads: stop the others
+            raise
+        progress.current = None  # progress.end(), inlined; fail() needs it still set
+        return out
+
+    def forget(self):
+        """Drop the replay (its steps are bound to a transport that is going away)."""
+        self._replay = None
+
+    def agree(self, collective, algorithm, fields):
+        g = self.g
+        record = checks.fingerprint(g.progress.seq, collective,
+                                    {"algorithm": algorithm, **(fields or {})})
+        checks.compare(g.t, checks.exchange_fingerprints(g.t, record))
+        if g.rank == 0 and algorithm is not None:  # each distinct call once, not per call
+            key = (collective, algorithm, repr(fields))
+            if key not in self._printed:
+                self._printed[key] = True
+                call = ", ".join(f"{k}={v}" for k, v in (fields or {}).items())
+                print(f"ringcoll: {collective} #{g.progress.seq} ({call}) on {g.size} "
+                      f"ranks -> {algorithm}", file=sys.stderr, flush=True)
+
+    # -- non-blocking ---------------------------------------------------------------------
+    def submit(self, plan):
+        """Queue plan on the background thread (after everything submitted before it) and
+        return its Request."""
+        if self._executor is None:
+            if not getattr(self.g.t, "thread_multiple", True):
+                raise RingcollError(
+                    f"{where(self.g.rank, 'iallreduce')}non-blocking collectives run on a "
+                    "background thread and need MPI_THREAD_MULTIPLE; initialise MPI with it "
+                    "(mpi4py's default) or use the blocking allreduce")
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-progress")
+        request = Request()
+        job = partial(self.execute, plan)
+
+        def timed():
+            start = time.perf_counter()
+            try:
+                return job()
+            finally:
+                request.seconds = time.perf_counter() - start
+
+        self._tail = request._future = self._executor.submit(timed)
+        return request
+
+    def wait_all(self):
+        """Wait for every outstanding non-blocking call."""
+        if self._tail is not None:
+            self._tail.result()
+
+    def shutdown(self, wait=True):
+        """Stop the background thread (after its queue, if wait) and forget the replay."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=wait)
+            self._executor = None
+        self._replay = None
