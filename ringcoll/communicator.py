@@ -264,6 +264,31 @@ class Communicator:
         """
         return self._runner.run(self._runner.plan(collectives.alltoall, x, out, algorithm))
 
+    def gather(self, x, root=0, out=None, algorithm=None):
+        """Concatenate every rank's x along axis 0 on root; the other ranks get None.
+
+        Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
+        agree (checked: a mismatch raises CollectiveMismatchError on every rank). The data
+        travels up a binomial tree (the inverse of broadcast's): ceil(log2 p) steps, and the
+        root receives every other rank's rows exactly once.
+
+        Args:
+            x (np.ndarray): this rank's rows (a 0-d x is one row).
+            root (int): the rank that receives the result.
+            out (np.ndarray): where root writes the result (ignored on the other ranks).
+            algorithm (str): "tree" (also "auto").
+
+        Returns:
+            np.ndarray on root: shape (sum of rows,) + x.shape[1:], rank 0's rows first;
+            None on every other rank.
+
+        Example::
+
+            # 3 ranks, x = np.full(rank + 1, rank): rank 0 gets [0, 1, 1, 2, 2, 2]
+            y = comm.gather(np.full(comm.rank + 1, comm.rank), root=0)
+        """
+        return self._runner.run(self._runner.plan(collectives.gather, x, root, out, algorithm))
+
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
         self._runner.run(self._runner.plan(collectives.barrier, algorithm))

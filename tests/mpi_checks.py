@@ -42,9 +42,9 @@ WORLD = MPI.COMM_WORLD
 RANK, P = WORLD.Get_rank(), WORLD.Get_size()
 NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no half types
 
-GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "broadcast", "reduce",
-          "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out", "errors",
-          "compat", "trace"]
+GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
+          "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
+          "errors", "compat", "trace"]
 
 
 class Checker:
@@ -259,6 +259,31 @@ def check_allgather(comms, light):
                          and y.tobytes() == expected.tobytes(), f"{label}: wrong result")
     y = CK.attempt("0-d", lambda: comms["world"].allgather(np.float32(RANK)))
     CK.check(y is not None and y.tolist() == list(range(P)), f"0-d allgather: {y}")
+
+
+def check_gather(comms, light):
+    roots = sorted({0, P - 1, P // 2}) if light else range(P)
+    for cname in ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for root in roots:
+            cases = [((RANK * 7 + 3) % 4, (), np.dtype(np.int32)),
+                     ((RANK * 5 + 1) % 3, (2, 3), np.dtype(np.complex64)),
+                     (1001 if RANK == P // 2 else 2, (), np.dtype(np.float64)),
+                     (0, (2,), np.dtype(np.uint8))]
+            for i, (rows, trail, dtype) in enumerate(cases):
+                x = O.make_input(45_000 + i, RANK, (rows,) + trail, dtype)
+                label = f"{cname} root={root} rows={rows} trail={trail} {dtype}"
+                y = CK.attempt(label, lambda: comm.gather(x, root=root))
+                parts = WORLD.gather(x, root=root)  # mpi4py's own gather of the same arrays
+                if RANK == root:
+                    expected = np.concatenate(parts)
+                    CK.check(y is not None and y.shape == expected.shape and y.dtype == dtype
+                             and y.tobytes() == expected.tobytes(), f"{label}: wrong result")
+                else:
+                    CK.check(y is None, f"{label}: a non-root got {y!r}, not None")
+    y = CK.attempt("0-d", lambda: comms["world"].gather(np.float32(RANK), root=P - 1))
+    CK.check((y is None) if RANK != P - 1 else (y is not None and y.tolist() == list(range(P))),
+             f"0-d gather: {y}")
 
 
 def check_broadcast(comms, light):
@@ -627,6 +652,7 @@ def main():
         "allreduce_floats": lambda: check_allreduce_floats(comms, args.light),
         "reduce_scatter": lambda: check_reduce_scatter(comms, args.light),
         "allgather": lambda: check_allgather(comms, args.light),
+        "gather": lambda: check_gather(comms, args.light),
         "broadcast": lambda: check_broadcast(comms, args.light),
         "reduce": lambda: check_reduce(comms, args.light),
         "alltoall": lambda: check_alltoall(comms, args.light),

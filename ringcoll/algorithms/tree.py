@@ -1,4 +1,4 @@
-"""Binomial-tree broadcast and reduce.
+"""Binomial-tree broadcast, reduce and gather.
 
 Ranks are renumbered relative to the root, v = (rank - root) % p. In the binomial tree rank v's
 parent is v with its lowest set bit cleared, and its children are v + 2^j for every 2^j below
@@ -10,6 +10,13 @@ Reduce: the mirror image. For mask = 1, 2, 4, ...: if v has the mask bit, send t
 result to v - mask and stop; otherwise receive from v + mask (if it exists) and reduce, always
 as op(lower v's data, higher v's data).
     cost ceil(log2 p) (a + n b + n g).
+Gather: broadcast's tree with the data flowing up. Rank v's subtree is the relative ranks
+v .. v + low - 1 (low = v's lowest set bit, all p for the root), whose blocks lie next to each
+other in relative order; v receives each child's subtree, smallest first, behind its own
+block, then sends the whole subtree to its parent v - low in one message. Blocks may differ
+in size (part gives every rank's).
+    ceil(log2 p) rounds; cost ceil(log2 p) a + (p-1)/p n b at the root (n: the gathered
+    bytes), which receives each block exactly once.
 """
 
 from ..transport import Tag
@@ -59,3 +66,44 @@ def reduce(t, src, acc, root, combine, ws):
             combine(mine, tmp, acc)
             mine = acc
         mask <<= 1
+
+
+def gather(t, src, dst, part, root, ws):
+    """dst[part.slices[q]] = rank q's src for every q, on root (dst is None elsewhere)."""
+    p = t.size
+    v = (t.rank - root) % p
+    rel = [part.counts[(u + root) % p] for u in range(p)]  # block sizes in relative order
+    start = [0]
+    for c in rel:
+        start.append(start[-1] + c)  # relative rank u's block is start[u]:start[u + 1]
+    low = v & -v if v else p  # v's lowest set bit: its subtree is v .. v + low - 1
+    if v == 0:
+        dst[part.slices[root]] = src
+    buf = None
+    if v and min(low, p - v) > 1:  # an inner node: its subtree, in relative order, own first
+        buf = ws.scratch("gather.subtree", start[min(v + low, p)] - start[v], src.dtype)
+        buf[:src.size] = src
+    recvs, wrapped = [], []
+    mask = 1
+    while mask < low and v + mask < p:
+        child, end = v + mask, min(v + 2 * mask, p)  # the child's subtree: child .. end - 1
+        peer = (child + root) % p
+        if v:
+            recvs.append(t.irecv(buf[start[child] - start[v]:start[end] - start[v]], peer,
+                                 Tag.GATHER))
+        elif (child + root) // p == (end - 1 + root) // p:  # the root: straight into dst when
+            first = part.starts[peer]                      # its ranks do not wrap past p - 1
+            recvs.append(t.irecv(dst[first:first + start[end] - start[child]], peer,
+                                 Tag.GATHER))
+        else:
+            piece = ws.scratch("gather.wrapped", start[end] - start[child], src.dtype)
+            recvs.append(t.irecv(piece, peer, Tag.GATHER))
+            wrapped.append((piece, child, end))
+        mask <<= 1
+    t.waitall(recvs)
+    for piece, child, end in wrapped:  # relative ranks child .. p - root - 1, then 0 ..
+        split = start[p - root] - start[child]
+        dst[part.starts[child + root]:] = piece[:split]
+        dst[:start[end] - start[p - root]] = piece[split:]
+    if v:
+        t.send(buf if buf is not None else src, (v - low + root) % p, Tag.GATHER)

@@ -8,7 +8,7 @@ its arguments to the runner with the module: runner.plan(m, *args), then runner.
 Shared argument helpers are in _args.py. The registry below lists every collective.
 """
 
-from . import allgather, allreduce, alltoall, barrier, broadcast, reduce, reduce_scatter
+from . import allgather, allreduce, alltoall, barrier, broadcast, gather, reduce, reduce_scatter
 
 #: name -> module, one line per collective
 COLLECTIVES = {
@@ -19,4 +19,5 @@ COLLECTIVES = {
     reduce.NAME: reduce,
     alltoall.NAME: alltoall,
     barrier.NAME: barrier,
+    gather.NAME: gather,
 }

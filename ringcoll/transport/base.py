@@ -40,6 +40,7 @@ class Tag(IntEnum):
     HEADER = 14  # the (collective, count, dtype, op) check with the left neighbour
     FINGERPRINT = 15  # debug mode's exchange of every rank's call before each collective
     P2P = 16  # the user's point-to-point messages: user tag u is wire tag p2p_tag(u)
+    GATHER = 17
     VIEW_STRIDE = 32
 
 

@@ -1,0 +1,49 @@
+"""Gather: every rank's x concatenated along axis 0, on root only (None elsewhere).
+
+Ranks may pass different lengths on axis 0, as in allgather: the row counts (and a check that
+dtypes, trailing shapes and root's out= agree) travel first, in allgather's small exchange of
+5 numbers per rank, so that every rank raises alike when they do not. The data then goes up
+the binomial tree (algorithms/tree.py gather: broadcast's shape with the data flowing
+towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes, plus
+(p-1) a for the counts' ring all-gather.
+"""
+
+from ..algorithms import tree
+from ..arrays import Partition
+from ..errors import InvalidArgumentError
+from ..runner import Plan
+from . import _args
+from .allgather import rows
+
+NAME = "gather"
+ALGORITHMS = ("tree",)
+
+
+def plan(g, ctx, x, root, out, algorithm):
+    x, side = _args.rows_input(g, x, ctx)
+    _args.check_root(g, root, ctx)
+    if algorithm not in (None, "auto", "tree"):
+        raise InvalidArgumentError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto' or 'tree'")
+    is_root = g.rank == root
+    out = out if is_root else None  # as MPI's recvbuf, out matters on root only
+    if out is not None:  # all but its row count can be checked now; that comes later
+        rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
+        _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
+    src = x.reshape(-1)
+
+    def run():
+        counts = rows(g, x, out, "ring", collective=NAME)  # host numbers, host transport
+        part = Partition([r * _args.row_elems(x) for r in counts])
+        result = dst = copy_to = None
+        if is_root:
+            result = _args.output(out, (sum(counts),) + x.shape[1:], x.dtype, ctx, side,
+                                  rows=True)
+            dst, copy_to = _args.rows_target(result)
+        tree.gather(side.t, src, dst, part, root, side.ws)
+        _args.copy_rows(dst, copy_to)
+        return result
+
+    # axis 0 may differ between ranks: the fingerprint leaves it out
+    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]),
+                          root=int(root))
+    return Plan(NAME, "tree", fields, _args.on_side(run, side))
