@@ -10,12 +10,13 @@ See README.md for the algorithms, their costs and the benchmarks.
 from . import optim, parallel
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
-from .communicator import Communicator, Request, run_threads, simulate
+from .communicator import Communicator, Request
 from .compression import Compression, Compressor
 from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .errors import (ABORT_CODE, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
+from .inprocess import run_threads, simulate
 from .mesh import Mesh
 from .transport.trace import Message, Receive, Trace
 from .tuning import Tuning, TuningFileError

@@ -49,7 +49,7 @@ from .algorithms import CostModel, bruck as bruck_mod
 from .algorithms.hierarchical import owned_blocks, owner
 from .algorithms.recursive_doubling import core_rank, fold
 from .arrays import Partition
-from .communicator import run_threads, simulate
+from .inprocess import run_threads, simulate
 
 COLLECTIVES = {  # collective -> (its algorithms, the default)
     "allreduce": (("ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical",
