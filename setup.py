@@ -24,7 +24,7 @@ setup(
         "bench": ["matplotlib"],
         "examples": ["scikit-learn"],
         "cuda": ["cupy"],  # CuPy from source (builds against the local CUDA toolkit)
-        "gpu": ["cupy-cuda13x"],  # CuPy wheels for a CUDA 13 driver (README: GPU (CuPy))
+        "gpu": ["cupy-cuda13x"],  # CuPy wheels for a CUDA 13 driver (docs/gpu.md)
         "gpu-cuda12": ["cupy-cuda12x"],  # ... for a CUDA 12 driver
     },
     license="MIT",

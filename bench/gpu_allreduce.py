@@ -5,7 +5,7 @@ Every rank uses GPU (node-local rank % GPUs): on a one-GPU machine all ranks sha
 
 Rows, per size n (bytes per rank), each timed round-robin in the same rounds:
   ringcoll <path> <algorithm>  comm.allreduce on CuPy arrays (out of place), <path> being what
-                    ringcoll chose (staged or cuda-aware, see README); with --staging-bytes,
+                    ringcoll chose (staged or cuda-aware, see docs/gpu.md); with --staging-bytes,
                     also the staged path forced, per chunk size
   copy bound        D2H and H2D of V bytes at once (two streams, pinned host buffers, all
                     ranks together), V defined below

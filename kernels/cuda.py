@@ -28,7 +28,7 @@ What has been verified where: the kernel *source* (every op, every dtype, the co
 compiled with g++ on the CPU through a small shim and checked against NumPy by
 tests/test_kernel_source.py, which runs on every machine with a C++ compiler. The CuPy side
 (compiling with NVRTC, launching, the pointers CuPy passes) runs only on a GPU:
-tests/test_gpu.py; it has not run on a GPU yet when this was written (see README, GPU section).
+tests/test_gpu.py; it has not run on a GPU yet when this was written (see docs/gpu.md).
 
 Cost: each (op, dtype) compiles once per process (NVRTC, ~0.1-0.5 s; CuPy caches the binary on
 disk across processes), then a launch costs a few microseconds of Python plus one pass over the

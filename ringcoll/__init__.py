@@ -4,7 +4,8 @@
     comm = ringcoll.Communicator()            # MPI.COMM_WORLD, duplicated
     y = comm.allreduce(np.ones(1 << 20, np.float32))
 
-See README.md for the algorithms, their costs and the benchmarks.
+See README.md to start, docs/algorithms.md for the algorithms and their costs,
+docs/architecture.md for how the package is put together, bench/README.md for the benchmarks.
 """
 
 from . import optim, parallel

@@ -29,7 +29,7 @@ import json
 import os
 import sys
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (see the README)
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one BLAS thread per rank (docs/data_parallel.md)
 
 import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402

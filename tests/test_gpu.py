@@ -36,7 +36,7 @@ def _gpu():
         import cupy
     except ImportError as exc:
         return None, (f"CuPy not installed ({exc}); on a machine with an NVIDIA GPU: pip install "
-                      "cupy-cuda12x or cupy-cuda13x (see README, GPU section)")
+                      "cupy-cuda12x or cupy-cuda13x (see docs/gpu.md)")
     try:
         count = cupy.cuda.runtime.getDeviceCount()
         cupy.zeros(1).sum().item()  # a context, an allocation and a kernel

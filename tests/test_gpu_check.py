@@ -1,6 +1,6 @@
 """scripts/gpu_check.sh and bench/gpu_allreduce.py where there is no GPU: both must stop at
 once with a message that says so (and the script must leave its JSON), never half-run.
-What they do on a GPU is the device check itself (see the README's GPU section)."""
+What they do on a GPU is the device check itself (see docs/gpu.md)."""
 
 import json
 import os

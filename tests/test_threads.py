@@ -757,8 +757,8 @@ def test_cost_model_picks_the_cheapest_and_hierarchical_only_across_nodes():
                                      (6, [[0, 1, 2], [3, 4, 5]]),
                                      (16, [list(range(8)), list(range(8, 16))])])
 def test_cost_model_slow_network_favours_hierarchical(p, nodes):
-    """Telling the model that links between nodes are slow (inter_alpha/inter_beta, as the README
-    advises for clusters) must not make it prefer the flat algorithms, whose every step may cross
+    """Telling the model that links between nodes are slow (inter_alpha/inter_beta, as
+    docs/cluster.md advises) must not make it prefer the flat algorithms, whose every step may cross
     the network, over hierarchical, which sends only n/k bytes per rank across it."""
     n = 1 << 28
     fast = CostModel()
