@@ -46,12 +46,13 @@ class Replay:
     """A call's arguments and its checked steps. It holds x and out, so their ids cannot be
     reused while it lives: `replay.x is x` proves the very same arrays come back."""
 
-    __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps", "plan")
+    __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps", "plan", "debug")
 
     def __init__(self, x, out, op, algorithm, steps, plan):
         self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
         self.dtype, self.steps, self.plan = x.dtype, steps, plan
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
+        self.debug = plan.fields is not None  # debug mode: the ranks still compare every call
 
 
 def run_steps(steps, result):
@@ -86,6 +87,7 @@ class Runner:
 
     def __init__(self, g):
         self.g = g
+        self._progress = g.progress  # (read on the replay's hot path: one lookup, not two)
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted, while it may be pending
         self._replay = None  # the last replayable call (an allreduce with out=)
@@ -154,9 +156,9 @@ class Runner:
                 or r.algorithm is not algorithm or r.dtype is not x.dtype
                 or self._tail is not None):
             return None
-        if r.plan.fields is not None:  # debug mode: the ranks still compare every call
+        if r.debug:  # debug mode: the ranks still compare every call
             return self.execute(r.plan)
-        progress = self.g.progress
+        progress = self._progress
         progress.seq += 1  # progress.begin, inlined: this is the small-message hot path
         progress.current, progress.at = r.current, None
         try:
