@@ -141,7 +141,10 @@ class Workspace:
 
     def cached(self, key, build):
         """A partition or schedule cached under key: build() runs on the first call only."""
-        return self._plans.cached(key, build)
+        plan = self._plans.get(key)  # dict's own get: the hit path stays one C call
+        if plan is None:
+            plan = self._plans.put(key, build())
+        return plan
 
     def drop_plans(self):
         """Forget the cached partitions and schedules (some hold views of the transport they
