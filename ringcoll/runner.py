@@ -7,7 +7,8 @@
   behind them on the background thread, so everything runs in call order.
 - submit(): a non-blocking call: queued on the background thread, a Request returned.
 - replay(): a repeated identical all-reduce (the very same arrays, op and algorithm) runs its
-  checked steps again, skipping every check and every allocation: the small-message hot path.
+  checked steps again, skipping every check and every allocation: the small-message hot path
+  (outside debug mode, where every call is checked and agreed on anew).
 - every run sits between Progress.begin and .end (the watchdog and error messages read them);
   in debug mode the ranks first agree on the call (checks.exchange_fingerprints); an error
   that every rank raised alike propagates, any other goes to the transport's fail() (MPI:
@@ -20,6 +21,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+
+import numpy as np
 
 from . import checks
 from .cache import BoundedCache
@@ -46,13 +49,17 @@ class Replay:
     """A call's arguments and its checked steps. It holds x and out, so their ids cannot be
     reused while it lives: `replay.x is x` proves the very same arrays come back."""
 
-    __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps", "plan", "debug")
+    __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps")
 
     def __init__(self, x, out, op, algorithm, steps, plan):
         self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
-        self.dtype, self.steps, self.plan = x.dtype, steps, plan
+        self.dtype, self.steps = x.dtype, steps
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
-        self.debug = plan.fields is not None  # debug mode: the ranks still compare every call
+
+
+#: the runner's Replay when there is none: its x is no caller's array, so nothing matches
+#: (one `is` test on the hot path instead of two)
+NO_REPLAY = Replay(np.empty(0), None, None, None, (), Plan(None, None, None, None))
 
 
 def run_steps(steps, result):
@@ -90,7 +97,8 @@ class Runner:
         self._progress = g.progress  # (read on the replay's hot path: one lookup, not two)
         self._executor = None  # the thread that runs non-blocking collectives, once needed
         self._tail = None  # the last non-blocking collective submitted, while it may be pending
-        self._replay = None  # the last replayable call (an allreduce with out=)
+        self._replay = NO_REPLAY  # the last replayable call (an allreduce with out=)
+        self._parked = NO_REPLAY  # ... set aside while non-blocking calls may be pending
         self._printed = BoundedCache()  # debug mode: the calls whose algorithm rank 0 printed
 
     # -- checking -------------------------------------------------------------------------
@@ -116,15 +124,22 @@ class Runner:
 
     # -- running --------------------------------------------------------------------------
     def run(self, plan):
-        """Run plan (see execute), after any pending non-blocking calls; return its result."""
-        if plan.replay is not None:
-            self._replay = plan.replay
+        """Run plan (see execute), after any pending non-blocking calls; return its result.
+        A plan with a Replay becomes the one replay() runs again (never in debug mode, where
+        every call goes through execute and its agreement). While non-blocking calls may be
+        pending there is no replay (it would overtake them): it waits in _parked."""
+        replay = plan.replay if plan.fields is None else None
         job = partial(self.execute, plan)
         if self._tail is not None:
             if not self._tail.done():
+                if replay is not None:
+                    self._parked = replay
                 self._tail = self._executor.submit(job)  # keep call order: run after them
                 return self._tail.result()
             self._tail = None  # nothing pending: the replay fast path may run again
+            self._replay, self._parked = self._parked, NO_REPLAY
+        if replay is not None:
+            self._replay = replay
         return job()
 
     def execute(self, plan):
@@ -149,15 +164,13 @@ class Runner:
 
     def replay(self, x, out, op, algorithm):
         """Run the last replayable call again if this is the very same call (same x, out, op
-        and algorithm objects, x's dtype unchanged, nothing pending) and return its result;
-        None if it is not (then the caller builds a plan)."""
+        and algorithm objects, x's dtype unchanged) and return its result; None if it is not
+        (then the caller builds a plan). Nothing is pending when there is a replay (run and
+        submit park it meanwhile), so it cannot overtake a queued call."""
         r = self._replay
-        if (r is None or r.x is not x or r.out is not out or r.op is not op
-                or r.algorithm is not algorithm or r.dtype is not x.dtype
-                or self._tail is not None):
+        if (r.x is not x or r.out is not out or r.op is not op or r.algorithm is not algorithm
+                or r.dtype is not x.dtype):
             return None
-        if r.debug:  # debug mode: the ranks still compare every call
-            return self.execute(r.plan)
         progress = self._progress
         progress.seq += 1  # progress.begin, inlined: this is the small-message hot path
         progress.current, progress.at = r.current, None
@@ -172,7 +185,7 @@ class Runner:
 
     def forget(self):
         """Drop the replay (its steps are bound to a transport that is going away)."""
-        self._replay = None
+        self._replay = self._parked = NO_REPLAY
 
     def agree(self, collective, algorithm, fields):
         g = self.g
@@ -200,6 +213,8 @@ class Runner:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-progress")
         request = Request()
         job = partial(self.execute, plan)
+        if self._tail is None:  # from now on something may be pending: no replay until run()
+            self._parked, self._replay = self._replay, NO_REPLAY  # finds the queue drained
 
         def timed():
             start = time.perf_counter()
@@ -221,4 +236,4 @@ class Runner:
         if self._executor is not None:
             self._executor.shutdown(wait=wait)
             self._executor = None
-        self._replay = None
+        self._replay = self._parked = NO_REPLAY

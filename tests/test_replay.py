@@ -120,3 +120,36 @@ def test_blocking_replay_waits_for_a_pending_iallreduce(p):
         np.testing.assert_array_equal(first, expected(p, 1, n))
         np.testing.assert_array_equal(second, expected(p, 2, n))
         np.testing.assert_array_equal(third, expected(p, 2, n))
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_no_replay_while_a_call_is_pending_and_it_comes_back_after(p):
+    """While an iallreduce may be pending the replay is parked (a replayed call would overtake
+    the queue); the first call that finds the queue drained brings it back. Every rank's trace
+    shows the calls in program order."""
+    from ringcoll.runner import NO_REPLAY
+
+    n = 64
+
+    def body(comm):
+        x, y = np.full(n, comm.rank + 1.0), np.empty(n)
+        comm.allreduce(x, out=y, algorithm="recursive_doubling")  # #1: the replay
+        mine = comm._runner._replay
+        big = np.ones(1 << 16)
+        req = comm.iallreduce(big, out=np.empty_like(big))  # #2
+        parked = comm._runner._replay is NO_REPLAY
+        comm.allreduce(x, out=y, algorithm="recursive_doubling")  # #3, #4: queued, in order
+        comm.allreduce(x, out=y, algorithm="recursive_doubling")
+        req.wait()
+        comm.barrier()  # #5 finds the queue drained: the replay is back
+        back = comm._runner._replay
+        comm.allreduce(x, out=y, algorithm="recursive_doubling")  # #6: replayed
+        return parked, back is not NO_REPLAY and back.x is x and back is not mine, y.copy()
+
+    results, trace = ringcoll.simulate(p, body)
+    for parked, back, y in results:
+        assert parked and back
+        np.testing.assert_array_equal(y, np.full(n, p * (p + 1) / 2))
+    seqs = [c[:2] for c in trace.collectives()]
+    assert seqs == [(1, "allreduce"), (2, "allreduce"), (3, "allreduce"), (4, "allreduce"),
+                    (5, "barrier"), (6, "allreduce")], seqs

@@ -17,6 +17,7 @@ import pytest
 import ringcoll
 from ringcoll.arrays import Partition
 from ringcoll.collectives.allreduce import pick_inner
+from ringcoll.runner import NO_REPLAY
 from ringcoll.transport.trace import TracingTransport
 
 TIMEOUT = 20
@@ -450,14 +451,14 @@ def test_replay_and_cached_schedules_across_trace(algorithm):
         original = comm._g.t
         comm.allreduce(x, algorithm=algorithm, out=y)  # builds the replay plan (and views)
         comm.allreduce(x, algorithm=algorithm, out=y)  # replays it
-        assert comm._runner._replay is not None
+        assert comm._runner._replay is not NO_REPLAY
         with comm.trace() as t:
-            assert isinstance(comm._g.t, TracingTransport) and comm._runner._replay is None
+            assert isinstance(comm._g.t, TracingTransport) and comm._runner._replay is NO_REPLAY
             comm.allreduce(x, algorithm=algorithm, out=y)  # built anew on the tracer
             first = len(t)
             comm.allreduce(x, algorithm=algorithm, out=y)  # replayed, and traced
             assert len(t) == 2 * first > 0
-        assert comm._g.t is original and comm._runner._replay is None
+        assert comm._g.t is original and comm._runner._replay is NO_REPLAY
         y[...] = 0
         comm.allreduce(x, algorithm=algorithm, out=y)  # after: built on the real transport
         comm.allreduce(x, algorithm=algorithm, out=y)  # replayed, not traced

@@ -42,8 +42,7 @@ def plan(g, ctx, x, op, algorithm, out):
     p = Plan(NAME, name, fields, _args.on_side(partial(run_steps, steps, out), side), schedule)
     if out is not None and (isinstance(given, np.ndarray) or side.device is not None):
         # replayed as is on the caller's thread, on its current stream
-        p.replay = Replay(given, out, given_op, algorithm, steps,
-                          Plan(NAME, name, fields, partial(run_steps, steps, out), schedule))
+        p.replay = Replay(given, out, given_op, algorithm, steps, p)
     return p
 
 
