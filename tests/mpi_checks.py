@@ -44,7 +44,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
           "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "trace"]
+          "errors", "compat", "compat_buffers", "trace"]
 
 
 class Checker:
@@ -581,6 +581,100 @@ def check_compat(comms, light):
     CK.attempt("Free", c.Free)
 
 
+def check_compat_buffers(comms, light):
+    """wrap() takes buffers as mpi4py does (every result against WORLD's own call on a twin
+    buffer of the same kind): array.array, bytearray and memoryview receive buffers (viewed,
+    never copied), bool data, [buf, count, type] and [buf, (count, displ), type] specs, None
+    as IN_PLACE, and the calls ringcoll passes through (derived datatype, user-defined op,
+    MAXLOC on a pair type)."""
+    import array
+
+    c = CK.attempt("wrap", lambda: ringcoll.wrap(WORLD))
+    if c is None:
+        return
+
+    def twins(make, ours, ref, label):
+        a, b = make(), make()
+        CK.attempt(label, lambda: ours(a))
+        ref(b)
+        CK.check(bytes(memoryview(a)) == bytes(memoryview(b)), f"{label}: differs from MPI")
+
+    twins(lambda: array.array("i", [0] * 4),
+          lambda r: c.Reduce(np.arange(4, dtype=np.int32) + RANK, r, root=0),
+          lambda r: WORLD.Reduce(np.arange(4, dtype=np.int32) + RANK, r, root=0),
+          "Reduce into array.array")
+    twins(lambda: array.array("d", [0.0] * 3),
+          lambda r: c.Reduce_scatter_block(np.arange(3.0 * P) + RANK, r),
+          lambda r: WORLD.Reduce_scatter_block(np.arange(3.0 * P) + RANK, r),
+          "Reduce_scatter_block into array.array")
+    twins(lambda: bytearray(b"ringcoll" if RANK == P - 1 else bytes(8)),
+          lambda b: c.Bcast(b, root=P - 1), lambda b: WORLD.Bcast(b, root=P - 1),
+          "Bcast of a bytearray")
+    twins(lambda: memoryview(bytearray(6 * P)),
+          lambda m: c.Allgather(bytes([RANK] * 6), m), lambda m: WORLD.Allgather(
+              bytes([RANK] * 6), m), "Allgather of bytes into a memoryview")
+    flags = np.array([RANK % 2 == 0, True, False])
+    twins(lambda: np.zeros(3 * P, bool), lambda r: c.Allgather(flags, r),
+          lambda r: WORLD.Allgather(flags, r), "Allgather of bool")
+    twins(lambda: np.zeros(2 * P, bool),
+          lambda r: c.Alltoall(np.arange(2 * P) % (RANK + 2) == 0, r),
+          lambda r: WORLD.Alltoall(np.arange(2 * P) % (RANK + 2) == 0, r), "Alltoall of bool")
+    x = np.arange(10, dtype=np.int32) * (RANK + 1)
+    twins(lambda: np.full(10, -1, np.int32),
+          lambda r: c.Allreduce([x, 4, MPI.INT], [r, 4, MPI.INT]),
+          lambda r: WORLD.Allreduce([x, 4, MPI.INT], [r, 4, MPI.INT]),
+          "Allreduce [buf, count, MPI.INT]: the rest untouched")
+    twins(lambda: np.full(10, -1, np.int32),
+          lambda r: c.Allreduce([x, (3, 5), MPI.INT], [r, (3, 2), MPI.INT], op=MPI.MAX),
+          lambda r: WORLD.Allreduce([x, (3, 5), MPI.INT], [r, (3, 2), MPI.INT], op=MPI.MAX),
+          "Allreduce [buf, (count, displ), MPI.INT]")
+    twins(lambda: np.full(4 * P, -1, np.int64),
+          lambda r: c.Alltoall([np.arange(2 * P) + 10 * RANK, 2, MPI.INT64_T],
+                               [r, 2, MPI.INT64_T]),
+          lambda r: WORLD.Alltoall([np.arange(2 * P) + 10 * RANK, 2, MPI.INT64_T],
+                                   [r, 2, MPI.INT64_T]),
+          "Alltoall count per process: the rest untouched")
+
+    def placed():
+        buf = np.zeros((P, 2), np.float32)
+        buf[RANK] = RANK + 0.5
+        return buf
+
+    twins(placed, lambda b: c.Allgather(None, b), lambda b: WORLD.Allgather(MPI.IN_PLACE, b),
+          "Allgather(None, buf): in place")
+    twins(lambda: np.zeros((P, 3), np.int16) if RANK == 0 else np.zeros(0, np.int16),
+          lambda r: c.Gather(np.full(3, RANK, np.int16), r if RANK == 0 else None, root=0),
+          lambda r: WORLD.Gather(np.full(3, RANK, np.int16), r if RANK == 0 else None, root=0),
+          "Gather")
+    vector = MPI.INT.Create_vector(2, 1, 2).Commit()
+    try:
+        twins(lambda: np.arange(4, dtype=np.int32) * (RANK == 0),
+              lambda b: c.Bcast([b, 1, vector], root=0),
+              lambda b: WORLD.Bcast([b, 1, vector], root=0),
+              "Bcast of a derived datatype (passed through)")
+    finally:
+        vector.Free()
+    maximum = MPI.Op.Create(lambda a, b, dt: np.maximum(np.frombuffer(a, np.float64),
+                                                        np.frombuffer(b, np.float64),
+                                                        out=np.frombuffer(b, np.float64)),
+                            commute=True)
+    try:
+        twins(lambda: np.zeros(3), lambda r: c.Allreduce(np.arange(3.0) * RANK, r, op=maximum),
+              lambda r: WORLD.Allreduce(np.arange(3.0) * RANK, r, op=maximum),
+              "Allreduce with a user-defined op (passed through)")
+    finally:
+        maximum.Free()
+    pair = np.dtype([("v", np.float64), ("i", np.int32)], align=True)  # MPI.DOUBLE_INT
+    twins(lambda: np.zeros(2, pair),
+          lambda r: c.Allreduce([np.array([(RANK % 3, RANK)] * 2, pair), MPI.DOUBLE_INT],
+                                [r, MPI.DOUBLE_INT], op=MPI.MAXLOC),
+          lambda r: WORLD.Allreduce([np.array([(RANK % 3, RANK)] * 2, pair), MPI.DOUBLE_INT],
+                                    [r, MPI.DOUBLE_INT], op=MPI.MAXLOC),
+          "Allreduce MAXLOC on DOUBLE_INT (passed through)")
+    CK.raises("read-only recvbuf", ValueError, lambda: c.Allreduce(np.ones(2), bytes(16)))
+    c.Free()
+
+
 def check_trace(comms, light):
     """comm.trace() over MPI: results unchanged, each rank records only its own traffic, and
     Trace.gather matches every message with its receive (tests/test_trace.py checks the byte
@@ -663,6 +757,7 @@ def main():
         "fortran_out": lambda: check_fortran_out(comms, args.light),
         "errors": lambda: check_errors(comms, args.light),
         "compat": lambda: check_compat(comms, args.light),
+        "compat_buffers": lambda: check_compat_buffers(comms, args.light),
         "trace": lambda: check_trace(comms, args.light),
     }
     times = {}
