@@ -671,6 +671,20 @@ def check_compat_buffers(comms, light):
           lambda r: WORLD.Allreduce([np.array([(RANK % 3, RANK)] * 2, pair), MPI.DOUBLE_INT],
                                     [r, MPI.DOUBLE_INT], op=MPI.MAXLOC),
           "Allreduce MAXLOC on DOUBLE_INT (passed through)")
+    # the repeated-call fast path: the same arrays again, new values, another op, in place
+    xs, ys, ref = np.zeros(5), np.zeros(5), np.zeros(5)
+    for k, op in enumerate([MPI.SUM, MPI.SUM, MPI.MAX, MPI.MAX, MPI.SUM]):
+        xs[:] = np.arange(5) * (RANK + k)
+        CK.attempt(f"repeated Allreduce {k}", lambda: c.Allreduce(xs, ys, op=op))
+        WORLD.Allreduce(xs, ref, op=op)
+        CK.check(np.array_equal(ys, ref), f"repeated Allreduce {k}: differs from MPI")
+    buf = np.zeros(4)
+    for k in range(3):  # the same buffer in place, call after call
+        buf[:] = np.arange(4.0) + RANK + k
+        theirs = buf.copy()
+        CK.attempt(f"repeated IN_PLACE {k}", lambda: c.Allreduce(MPI.IN_PLACE, buf))
+        WORLD.Allreduce(MPI.IN_PLACE, theirs)
+        CK.check(np.array_equal(buf, theirs), f"repeated IN_PLACE {k}: differs from MPI")
     CK.raises("read-only recvbuf", ValueError, lambda: c.Allreduce(np.ones(2), bytes(16)))
     c.Free()
 
