@@ -21,6 +21,7 @@ bytes as they are, so any datatype works; reductions need a numeric one.
 
 import ctypes
 import functools
+import sys
 
 import numpy as np
 from mpi4py import MPI
@@ -158,8 +159,6 @@ def _from_cai(buf, name):
     becomes one (cupy.asarray views it: the GPU path); without, its pointer is read as mpi4py
     hands it to MPI, as host memory (mpi4py's fake GPU test arrays; a real device pointer
     needs CuPy here, or a CUDA-aware MPI through mpi4py itself)."""
-    import sys
-
     cupy = sys.modules.get("cupy")
     if cupy is not None:
         return cupy.asarray(buf)
