@@ -18,8 +18,8 @@ DEFAULT_LIMIT = 512
 class BoundedCache(dict):
     """A dict of at most `limit` entries; put() evicts the oldest-inserted one when full.
 
-    Reads are dict's own (get, `in`, [key]); writes go through cache[key] = value, put() or
-    cached(), which keep the bound (dict.update and setdefault would not: do not use them).
+    Reads are dict's own (get, `in`, [key]); writes go through cache[key] = value or put(),
+    which keep the bound (dict.update and setdefault would not: do not use them).
     """
 
     __slots__ = ("limit",)
@@ -38,11 +38,4 @@ class BoundedCache(dict):
     def put(self, key, value):
         """Store value under key (forgetting the oldest entry if full); returns value."""
         self[key] = value
-        return value
-
-    def cached(self, key, build):
-        """The value under key; build() computes and stores it on a miss."""
-        value = self.get(key)
-        if value is None:
-            value = self.put(key, build())
         return value

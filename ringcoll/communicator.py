@@ -25,6 +25,16 @@ from .tuning import resolve as resolve_tuning
 __all__ = ["Communicator", "Request"]
 
 
+def _find_nodes(options, transport):
+    """The ranks of each node: consecutive groups of local_size if set, else as MPI says."""
+    k = options.local_size
+    ids = [r // k for r in range(transport.size)] if k is not None else transport.node_ids()
+    nodes = {}
+    for r, node in enumerate(ids):
+        nodes.setdefault(node, []).append(r)
+    return list(nodes.values())
+
+
 class Communicator:
     """A group of ranks that run ringcoll collectives together.
 
@@ -63,19 +73,19 @@ class Communicator:
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
                  debug=None, timeout=None, cost_model=None, tuning=None, transport=None,
                  cuda_aware=None, staging_bytes=None):
-        self.options = Options.from_env(algorithm=algorithm, local_size=local_size,
-                                        segment_bytes=segment_bytes, debug=debug, tuning=tuning,
-                                        timeout=timeout, cuda_aware=cuda_aware,
-                                        staging_bytes=staging_bytes)
-        if self.options.algorithm not in ALLREDUCE_NAMES:
+        options = Options.from_env(algorithm=algorithm, local_size=local_size,
+                                   segment_bytes=segment_bytes, debug=debug, tuning=tuning,
+                                   timeout=timeout, cuda_aware=cuda_aware,
+                                   staging_bytes=staging_bytes)
+        if options.algorithm not in ALLREDUCE_NAMES:
             raise InvalidArgumentError(
-                f"unknown all-reduce algorithm {self.options.algorithm!r} (from algorithm= or "
+                f"unknown all-reduce algorithm {options.algorithm!r} (from algorithm= or "
                 f"RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
         # The shipped table was measured over MPI (native_allreduce marks that transport);
         # threads in one process time nothing like it, so they get it only when asked to.
         # Read before MPI is touched: a bad file fails fast, with nothing to clean up.
-        self.tuning = resolve_tuning(self.options.tuning, builtin=transport is None
-                                     or hasattr(transport, "native_allreduce"))
+        table = resolve_tuning(options.tuning, builtin=transport is None
+                               or hasattr(transport, "native_allreduce"))
         if transport is None:
             from .transport.mpi import MPITransport  # only the MPI path needs mpi4py
 
@@ -83,27 +93,46 @@ class Communicator:
                 from mpi4py import MPI
 
                 comm = MPI.COMM_WORLD
-            seconds = self.options.timeout
+            seconds = options.timeout
             transport = MPITransport(comm, timeout=MPI_TIMEOUT if seconds is None else seconds)
         elif comm is not None:
             raise InvalidArgumentError("pass either an MPI communicator or a transport, not both")
         self.rank, self.size = transport.rank, transport.size
-        self.nodes = self._find_nodes(transport)
-        fitted = self.tuning.cost_model(self.size) if self.tuning is not None else None
-        self.cost_model = cost_model or fitted or CostModel()
-        self._g = Group(transport, self.options, self.nodes, self.tuning, self.cost_model)
+        fitted = table.cost_model(self.size) if table is not None else None
+        self._g = Group(transport, options, _find_nodes(options, transport), table,
+                        cost_model or fitted or CostModel())
         self._runner = Runner(self._g)
         self._replay = self._runner.replay  # bound once: allreduce's hot path calls it first
         self._messages = Messages(self._g)
 
-    # -- topology ------------------------------------------------------------------------
-    def _find_nodes(self, transport):
-        k = self.options.local_size
-        ids = ([r // k for r in range(self.size)] if k is not None else transport.node_ids())
-        nodes = {}
-        for r, node in enumerate(ids):
-            nodes.setdefault(node, []).append(r)
-        return list(nodes.values())
+    # -- options and topology: one copy of each, in the Group the layers below share --------
+    @property
+    def options(self):
+        """The ringcoll.config.Options in force (arguments over RINGCOLL_* variables)."""
+        return self._g.options
+
+    @property
+    def nodes(self):
+        """The ranks of each node, e.g. [[0, 1], [2, 3]]."""
+        return self._g.nodes
+
+    @property
+    def tuning(self):
+        """The tuning table auto looks up first (a ringcoll.Tuning), or None."""
+        return self._g.tuning
+
+    @tuning.setter
+    def tuning(self, table):
+        self._g.tuning = table
+
+    @property
+    def cost_model(self):
+        """The CostModel auto falls back on."""
+        return self._g.cost_model
+
+    @cost_model.setter
+    def cost_model(self, model):
+        self._g.cost_model = model
 
     @property
     def local_rank(self):

@@ -64,19 +64,18 @@ class _PassThrough(Exception):
     on every rank, as MPI requires)."""
 
 
-def _passes_through(method):
-    """method, or the mpi4py communicator's method of the same name (Allreduce for
-    _allreduce) where ringcoll cannot."""
-    name = method.__name__.lstrip("_")
-    name = name[0].upper() + name[1:]
-
-    @functools.wraps(method)
-    def adapter(self, *args, **kwargs):
-        try:
-            return method(self, *args, **kwargs)
-        except _PassThrough:
-            return getattr(self.mpi_comm, name)(*args, **kwargs)
-    return adapter
+def _passes_through(name):
+    """A method that, where ringcoll cannot do the call, gives it to the wrapped mpi4py
+    communicator's method `name` instead."""
+    def decorate(method):
+        @functools.wraps(method)
+        def adapter(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except _PassThrough:
+                return getattr(self.mpi_comm, name)(*args, **kwargs)
+        return adapter
+    return decorate
 
 
 def _check_op(op):
@@ -282,7 +281,7 @@ class MPICompat:
             return
         self._allreduce(sendbuf, recvbuf, op)
 
-    @_passes_through
+    @_passes_through("Allreduce")
     def _allreduce(self, sendbuf, recvbuf, op):
         _check_op(op)
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
@@ -291,7 +290,7 @@ class MPICompat:
         if recv is recvbuf and (send is sendbuf or sendbuf is MPI.IN_PLACE):
             self._last_allreduce = (sendbuf, recvbuf, op, send)  # plain arrays: remembered
 
-    @_passes_through
+    @_passes_through("Reduce_scatter_block")
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
         _check_op(op)
         p = self.ringcoll.size
@@ -306,7 +305,7 @@ class MPICompat:
                 f"must have size * len(recvbuf) = {p * recv.size}")
         self.ringcoll.reduce_scatter(send.reshape(p, -1), op=op, out=recv.reshape(1, -1))
 
-    @_passes_through
+    @_passes_through("Allgather")
     def Allgather(self, sendbuf, recvbuf):
         p = self.ringcoll.size
         recv = _bytes(_writeable(_elements(recvbuf, "recvbuf", p), "recvbuf"))
@@ -320,7 +319,7 @@ class MPICompat:
                 f"size * the bytes of sendbuf = {p * send.size}")
         self.ringcoll.allgather(send.reshape(1, -1), out=recv.reshape(p, -1))
 
-    @_passes_through
+    @_passes_through("Gather")
     def Gather(self, sendbuf, recvbuf, root=0):
         p, rank = self.ringcoll.size, self.ringcoll.rank
         recv = None
@@ -337,14 +336,14 @@ class MPICompat:
         self.ringcoll.gather(send.reshape(1, -1), root=root,
                              out=None if recv is None else recv.reshape(p, -1))
 
-    @_passes_through
+    @_passes_through("Bcast")
     def Bcast(self, buf, root=0):
         x = _bytes(_elements(buf, "buf"))
         if self.ringcoll.rank != root:
             _writeable(x, "buf")
         self.ringcoll.broadcast(x, root=root)
 
-    @_passes_through
+    @_passes_through("Reduce")
     def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
         _check_op(op)
         is_root = self.ringcoll.rank == root
@@ -352,7 +351,7 @@ class MPICompat:
         send = recv if sendbuf is MPI.IN_PLACE else _elements(sendbuf, "sendbuf")
         self.ringcoll.reduce(send, op=op, root=root, out=recv)
 
-    @_passes_through
+    @_passes_through("Alltoall")
     def Alltoall(self, sendbuf, recvbuf):
         p = self.ringcoll.size
         recv = _bytes(_writeable(_elements(recvbuf, "recvbuf", p), "recvbuf"))

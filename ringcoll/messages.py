@@ -13,7 +13,7 @@ from functools import partial
 import numpy as np
 
 from .arrays import check_dtype, flat_view
-from .collectives._args import array_input
+from .collectives._args import array_input, send_view
 from .errors import InvalidArgumentError, InvalidTypeError, where
 from .runner import Request
 from .transport.base import MAX_USER_TAG, p2p_tag
@@ -117,9 +117,7 @@ class Messages:
                 raise InvalidTypeError(
                     f"{ctx}point-to-point messages take NumPy arrays, not CuPy ones (yet); "
                     "send cupy.asnumpy(x) and copy the received array to the GPU")
-            buf = flat_view(x)
-            if buf is None:
-                buf = np.ascontiguousarray(x).reshape(-1)
+            buf = send_view(x, side)
         else:
             if not isinstance(x, np.ndarray):
                 raise InvalidTypeError(f"{ctx}out must be a NumPy array to receive into, got "

@@ -1,11 +1,12 @@
 """The collectives: one module each, with its argument checks, algorithm choice and plan.
 
 A module `m` here has NAME (the collective, as errors and debug mode name it), ALGORITHMS
-(the algorithm names it accepts besides "auto"; the first is what "auto" runs where it has
-no choice to make) and plan(g, ctx, *args) -> runner.Plan, which checks the arguments of
-one call and builds the steps it runs. The Communicator's method of the same name passes
-its arguments to the runner with the module: runner.plan(m, *args), then runner.run(plan).
-Shared argument helpers are in _args.py. The registry below lists every collective.
+(the algorithm names it accepts besides "auto"; the first is what "auto" runs where there is
+no choice to make, and _args.pick_simple checks a call's algorithm= against them) and
+plan(g, ctx, *args) -> runner.Plan, which checks the arguments of one call and builds the
+steps it runs. The Communicator's method of the same name passes its arguments to the runner
+with the module: runner.plan(m, *args), then runner.run(plan). Shared argument helpers are in
+_args.py. The registry below lists every collective.
 """
 
 from . import allgather, allreduce, alltoall, barrier, broadcast, gather, reduce, reduce_scatter

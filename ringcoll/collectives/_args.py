@@ -167,14 +167,16 @@ def fields(g, side, op=None, x=None, **more):
     return found
 
 
-def pick_simple(algorithm, own, ctx):
-    """Collectives with one ringcoll algorithm, `own`: 'auto' (or None) means that one."""
-    if algorithm in (None, "auto", own):
-        return own
-    if algorithm == "native":
-        return "native"
-    raise InvalidArgumentError(
-        f"{ctx}unknown algorithm {algorithm!r}; use 'auto', {own!r} or 'native'")
+def pick_simple(algorithm, names, ctx):
+    """The algorithm of a collective whose choice is the caller's alone: names is its
+    ALGORITHMS, the first being what 'auto' (or None) runs."""
+    if algorithm in (None, "auto"):
+        return names[0]
+    if algorithm in names:
+        return algorithm
+    allowed = ["'auto'"] + [repr(n) for n in names]
+    raise InvalidArgumentError(f"{ctx}unknown algorithm {algorithm!r}; use "
+                               f"{', '.join(allowed[:-1])} or {allowed[-1]}")
 
 
 def check_root(g, root, ctx):

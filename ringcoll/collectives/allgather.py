@@ -24,7 +24,7 @@ ALGORITHMS = ("ring", "native")
 
 def plan(g, ctx, x, out, algorithm):
     x, side = _args.rows_input(g, x, ctx)
-    name = _args.pick_simple(algorithm, "ring", ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     if name == "native":
         native.check(side.t, None, ctx)
     if out is not None:  # all but its row count can be checked now; that comes later

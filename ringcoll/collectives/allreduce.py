@@ -19,7 +19,7 @@ from ..runner import Plan, Replay, run_steps
 from . import _args
 
 NAME = "allreduce"
-ALGORITHMS = ALLREDUCE_NAMES
+ALGORITHMS = tuple(n for n in ALLREDUCE_NAMES if n != "auto")  # auto: see auto()
 
 #: all-reduce algorithms built as a list of steps that a repeated call replays
 SCHEDULES = {"recursive_doubling": recursive_doubling.schedule,

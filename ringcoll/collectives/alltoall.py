@@ -21,7 +21,7 @@ def plan(g, ctx, x, out, algorithm):
         raise InvalidArgumentError(
             f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the communicator size "
             f"{g.size} (one equal block per rank)")
-    name = _args.pick_simple(algorithm, "pairwise", ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     out = _args.output(out, x.shape, x.dtype, ctx, side, rows=True)
     src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
     part = side.ws.row_partition(x.shape[0], g.size, _args.row_elems(x))

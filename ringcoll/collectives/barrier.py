@@ -15,7 +15,7 @@ ALGORITHMS = ("dissemination", "native")
 
 
 def plan(g, ctx, algorithm):
-    name = _args.pick_simple(algorithm, "dissemination", ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     if name == "native":
         native.check(g.t, None, ctx)
 

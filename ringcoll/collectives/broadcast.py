@@ -27,7 +27,7 @@ def plan(g, ctx, x, root, algorithm):
                                f"array, got {type(x).__name__}")
     check_dtype(x.dtype, ctx)
     _args.check_root(g, root, ctx)
-    name = _args.pick_simple(algorithm, "tree", ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     buf = flat_view(x)
     if buf is None:
         raise InvalidArgumentError(f"{ctx}x is not contiguous; broadcast into "

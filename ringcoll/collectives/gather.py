@@ -10,7 +10,6 @@ towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes
 
 from ..algorithms import tree
 from ..arrays import Partition
-from ..errors import InvalidArgumentError
 from ..runner import Plan
 from . import _args
 from .allgather import rows
@@ -22,8 +21,7 @@ ALGORITHMS = ("tree",)
 def plan(g, ctx, x, root, out, algorithm):
     x, side = _args.rows_input(g, x, ctx)
     _args.check_root(g, root, ctx)
-    if algorithm not in (None, "auto", "tree"):
-        raise InvalidArgumentError(f"{ctx}unknown algorithm {algorithm!r}; use 'auto' or 'tree'")
+    _args.pick_simple(algorithm, ALGORITHMS, ctx)
     is_root = g.rank == root
     out = out if is_root else None  # as MPI's recvbuf, out matters on root only
     if out is not None:  # all but its row count can be checked now; that comes later

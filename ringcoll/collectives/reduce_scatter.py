@@ -18,7 +18,7 @@ def plan(g, ctx, x, op, out, algorithm):
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     x = _args.as_rows(x)
-    name = _args.pick_simple(algorithm, "ring", ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     part = ws.row_partition(x.shape[0], size, _args.row_elems(x))
     base, extra = divmod(x.shape[0], size)
     rows = base + (1 if g.rank < extra else 0)
