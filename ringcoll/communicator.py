@@ -246,11 +246,19 @@ class Communicator:
         return self._runner.run(self._runner.plan(collectives.reduce_scatter, x, op, out,
                                                   algorithm))
 
-    def allgather(self, x, out=None, algorithm=None):
+    def allgather(self, x, out=None, algorithm=None, counts=None):
         """Concatenate every rank's x along axis 0, on every rank.
 
         Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
         agree (checked: a mismatch raises CollectiveMismatchError on every rank).
+
+        Args:
+            x (np.ndarray): this rank's rows (a 0-d x is one row).
+            out (np.ndarray): where to write the result.
+            algorithm (str): "ring" (also "auto") or "native".
+            counts (sequence of int): the rows this rank expects from each rank, as
+                MPI_Allgatherv's recvcounts; checked against what the ranks pass (a
+                difference raises on every rank). Default: whatever they pass.
 
         Returns:
             np.ndarray: shape (sum of rows,) + x.shape[1:]; rank 0's rows first.
@@ -259,7 +267,8 @@ class Communicator:
 
             # 3 ranks, x = np.array([rank]): every rank gets [0, 1, 2]
         """
-        return self._runner.run(self._runner.plan(collectives.allgather, x, out, algorithm))
+        return self._runner.run(self._runner.plan(collectives.allgather, x, out, algorithm,
+                                                  counts))
 
     def broadcast(self, x, root=0, algorithm=None):
         """Copy root's x into x on every rank, in place; returns x.
@@ -294,7 +303,7 @@ class Communicator:
         """
         return self._runner.run(self._runner.plan(collectives.alltoall, x, out, algorithm))
 
-    def gather(self, x, root=0, out=None, algorithm=None):
+    def gather(self, x, root=0, out=None, algorithm=None, counts=None):
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
 
         Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
@@ -307,6 +316,9 @@ class Communicator:
             root (int): the rank that receives the result.
             out (np.ndarray): where root writes the result (ignored on the other ranks).
             algorithm (str): "tree" (also "auto").
+            counts (sequence of int): on root, the rows it expects from each rank, as
+                MPI_Gatherv's recvcounts; checked against what the ranks pass (a difference
+                raises on every rank). Ignored elsewhere. Default: whatever they pass.
 
         Returns:
             np.ndarray on root: shape (sum of rows,) + x.shape[1:], rank 0's rows first;
@@ -317,11 +329,49 @@ class Communicator:
             # 3 ranks, x = np.full(rank + 1, rank): rank 0 gets [0, 1, 1, 2, 2, 2]
             y = comm.gather(np.full(comm.rank + 1, comm.rank), root=0)
         """
-        return self._runner.run(self._runner.plan(collectives.gather, x, root, out, algorithm))
+        return self._runner.run(self._runner.plan(collectives.gather, x, root, out, algorithm,
+                                                  counts))
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
         self._runner.run(self._runner.plan(collectives.barrier, algorithm))
+
+    # -- non-blocking forms: the same checks at the call, the run on the background thread ---
+    # Each returns a Request whose wait() gives what the blocking call returns. As with
+    # iallreduce, the arguments are checked at the call (a bad one raises there), the
+    # collective runs in call order with every other one on this communicator, and x and out
+    # must not be touched until wait() returns.
+    def _start(self, collective, call, *args):
+        return self._runner.submit(self._runner.plan(collective, *args, call=call))
+
+    def ireduce_scatter(self, x, op="sum", out=None, algorithm=None):
+        """Non-blocking reduce_scatter: a Request; wait() gives this rank's block."""
+        return self._start(collectives.reduce_scatter, "ireduce_scatter", x, op, out, algorithm)
+
+    def iallgather(self, x, out=None, algorithm=None, counts=None):
+        """Non-blocking allgather: a Request; wait() gives the concatenated rows."""
+        return self._start(collectives.allgather, "iallgather", x, out, algorithm, counts)
+
+    def ibroadcast(self, x, root=0, algorithm=None):
+        """Non-blocking broadcast: a Request; wait() gives x, filled with root's data."""
+        return self._start(collectives.broadcast, "ibroadcast", x, root, algorithm)
+
+    def ireduce(self, x, op="sum", root=0, out=None, algorithm=None):
+        """Non-blocking reduce: a Request; wait() gives the result on root, None elsewhere."""
+        return self._start(collectives.reduce, "ireduce", x, op, root, out, algorithm)
+
+    def ialltoall(self, x, out=None, algorithm=None):
+        """Non-blocking alltoall: a Request; wait() gives the received blocks."""
+        return self._start(collectives.alltoall, "ialltoall", x, out, algorithm)
+
+    def igather(self, x, root=0, out=None, algorithm=None, counts=None):
+        """Non-blocking gather: a Request; wait() gives the rows on root, None elsewhere."""
+        return self._start(collectives.gather, "igather", x, root, out, algorithm, counts)
+
+    def ibarrier(self, algorithm=None):
+        """Non-blocking barrier: a Request; wait() returns once every rank has called
+        barrier() or ibarrier()."""
+        return self._start(collectives.barrier, "ibarrier", algorithm)
 
     # -- point-to-point (messages.py) ----------------------------------------------------------
     def send(self, x, dest, tag=0):

@@ -69,8 +69,8 @@ def run_steps(steps, result):
 
 
 class Request:
-    """A non-blocking collective (iallreduce) or message (isend, irecv) in flight: wait()
-    returns its result, test() polls.
+    """A non-blocking collective (iallreduce, ibroadcast, ...) or message (isend, irecv) in
+    flight: wait() returns its result, test() polls.
 
     Once a collective has finished, `seconds` is how long it ran on the background thread (not
     counting its wait in the queue): the communication time that overlap can hide.
@@ -207,9 +207,9 @@ class Runner:
         if self._executor is None:
             if not getattr(self.g.t, "thread_multiple", True):
                 raise RingcollError(
-                    f"{where(self.g.rank, 'iallreduce')}non-blocking collectives run on a "
-                    "background thread and need MPI_THREAD_MULTIPLE; initialise MPI with it "
-                    "(mpi4py's default) or use the blocking allreduce")
+                    f"{where(self.g.rank, 'i' + plan.collective)}non-blocking collectives run "
+                    "on a background thread and need MPI_THREAD_MULTIPLE; initialise MPI with "
+                    f"it (mpi4py's default) or use the blocking {plan.collective}")
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-progress")
         request = Request()
         job = partial(self.execute, plan)

@@ -1,8 +1,8 @@
 """All-gather: every rank's x concatenated along axis 0, on every rank.
 
 Ranks may pass different lengths on axis 0: the row counts (and a check that dtypes,
-trailing shapes and out= agree) travel first in a small all-gather of 5 numbers per rank
-(rows), then the data. The ringcoll algorithm is the ring's all-gather half
+trailing shapes, out= and any counts= agree) travel first in a small all-gather of 6 numbers
+per rank (rows), then the data. The ringcoll algorithm is the ring's all-gather half
 (algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "native"
 is MPI_Allgatherv.
 """
@@ -22,8 +22,9 @@ NAME = "allgather"
 ALGORITHMS = ("ring", "native")
 
 
-def plan(g, ctx, x, out, algorithm):
+def plan(g, ctx, x, out, algorithm, counts=None):
     x, side = _args.rows_input(g, x, ctx)
+    counts = expected_counts(g, counts, ctx)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     if name == "native":
         native.check(side.t, None, ctx)
@@ -33,9 +34,9 @@ def plan(g, ctx, x, out, algorithm):
     src = x.reshape(-1)
 
     def run():
-        counts = rows(g, x, out, name)  # host numbers, over the host transport
-        part = Partition([r * _args.row_elems(x) for r in counts])
-        result = _args.output(out, (sum(counts),) + x.shape[1:], x.dtype, ctx, side, rows=True)
+        got = rows(g, x, out, name, expect=counts)  # host numbers, over the host transport
+        part = Partition([r * _args.row_elems(x) for r in got])
+        result = _args.output(out, (sum(got),) + x.shape[1:], x.dtype, ctx, side, rows=True)
         dst, copy_to = _args.rows_target(result)
         if name == "native":
             side.t.native_allgather(src, dst, part.counts)
@@ -50,16 +51,41 @@ def plan(g, ctx, x, out, algorithm):
     return Plan(NAME, name, fields, _args.on_side(run, side))
 
 
-def rows(g, x, out, name, collective=NAME):
-    """Every rank's row count, once all ranks know that dtypes, trailing shapes and the
-    row counts of the out= arrays agree (else every rank raises, so none is left waiting).
+def expected_counts(g, counts, ctx):
+    """counts= (the rows a rank expects from every rank) as a list, checked locally; None
+    stays None."""
+    if counts is None:
+        return None
+    try:
+        counts = [int(c) for c in counts]
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{ctx}counts must be a sequence of {g.size} row counts, "
+                                   f"got {counts!r}") from None
+    if len(counts) != g.size or min(counts, default=0) < 0:
+        raise InvalidArgumentError(f"{ctx}counts={counts} must be {g.size} non-negative row "
+                                   "counts, one per rank")
+    return counts
 
-    The 5 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
+
+def _crc(counts):
+    """A fingerprint of a counts list (never -1, which means "no expectation")."""
+    return zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
+
+
+def rows(g, x, out, name, collective=NAME, expect=None):
+    """Every rank's row count, once all ranks know that dtypes, trailing shapes, the row
+    counts of the out= arrays and any expected counts agree (else every rank raises, so none
+    is left waiting).
+
+    expect: this rank's counts= (what it expects each rank to send), or None. Only a
+    fingerprint of it travels, so every rank can tell whether some rank expected otherwise.
+    The 6 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
     algorithm='native' (so the native baseline pays no ringcoll step).
     """
     layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
     out_rows = -1 if out is None else out.shape[0]
-    mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows], dtype=np.int64)
+    mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
+                     -1 if expect is None else _crc(expect)], dtype=np.int64)
     meta = np.empty((g.size, mine.size), dtype=np.int64)
     meta[g.rank] = mine
     flat = meta.reshape(-1)
@@ -84,4 +110,13 @@ def rows(g, x, out, name, collective=NAME):
         raise checks.agreed(PeerFailedError(
             f"{ctx}rank(s) {wrong} passed out= with the wrong row count (the result has "
             f"{total} rows), so no rank runs this {collective}"))
-    return [int(v) for v in meta[:, 0]]
+    got = [int(v) for v in meta[:, 0]]
+    differ = [r for r in range(g.size) if meta[r, 5] not in (-1, _crc(got))]
+    if g.rank in differ:
+        raise checks.agreed(InvalidArgumentError(
+            f"{ctx}counts={expect} but the ranks pass {got} rows; pass the counts they send"))
+    if differ:
+        raise checks.agreed(PeerFailedError(
+            f"{ctx}rank(s) {differ} passed counts= that differ from the rows the ranks pass "
+            f"({got}), so no rank runs this {collective}"))
+    return got

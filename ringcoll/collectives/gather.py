@@ -1,8 +1,8 @@
 """Gather: every rank's x concatenated along axis 0, on root only (None elsewhere).
 
 Ranks may pass different lengths on axis 0, as in allgather: the row counts (and a check that
-dtypes, trailing shapes and root's out= agree) travel first, in allgather's small exchange of
-5 numbers per rank, so that every rank raises alike when they do not. The data then goes up
+dtypes, trailing shapes, root's out= and counts= agree) travel first, in allgather's small exchange of
+6 numbers per rank, so that every rank raises alike when they do not. The data then goes up
 the binomial tree (algorithms/tree.py gather: broadcast's shape with the data flowing
 towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes, plus
 (p-1) a for the counts' ring all-gather.
@@ -12,17 +12,18 @@ from ..algorithms import tree
 from ..arrays import Partition
 from ..runner import Plan
 from . import _args
-from .allgather import rows
+from .allgather import expected_counts, rows
 
 NAME = "gather"
 ALGORITHMS = ("tree",)
 
 
-def plan(g, ctx, x, root, out, algorithm):
+def plan(g, ctx, x, root, out, algorithm, counts=None):
     x, side = _args.rows_input(g, x, ctx)
     _args.check_root(g, root, ctx)
     _args.pick_simple(algorithm, ALGORITHMS, ctx)
     is_root = g.rank == root
+    expect = expected_counts(g, counts, ctx) if is_root else None  # as MPI's recvcounts
     out = out if is_root else None  # as MPI's recvbuf, out matters on root only
     if out is not None:  # all but its row count can be checked now; that comes later
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
@@ -30,7 +31,7 @@ def plan(g, ctx, x, root, out, algorithm):
     src = x.reshape(-1)
 
     def run():
-        counts = rows(g, x, out, "ring", collective=NAME)  # host numbers, host transport
+        counts = rows(g, x, out, "ring", collective=NAME, expect=expect)  # host numbers
         part = Partition([r * _args.row_elems(x) for r in counts])
         result = dst = copy_to = None
         if is_root:
