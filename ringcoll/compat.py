@@ -10,13 +10,22 @@ Each method is a thin adapter that turns mpi4py's arguments (buffer specs, MPI.I
 MPI.Op) into a call of the Communicator's public methods; there is no second implementation
 here.
 
+Every buffer collective of mpi4py's Comm and its non-blocking I-form (returning a Request
+with Wait/Test/wait/test) runs here: Barrier, Bcast, Gather(v), Scatter(v), Allgather(v),
+Alltoall(v), Reduce, Allreduce, Reduce_scatter(_block), Scan, Exscan. What ringcoll cannot
+do passes through to the mpi4py communicator, on every rank alike: derived datatypes,
+user-defined ops and MAXLOC/MINLOC/REPLACE/NO_OP (see _PassThrough); Alltoallw and anything
+else not defined here is simply the wrapped communicator's (__getattr__).
+
 Buffers are taken as mpi4py takes them: anything with the buffer protocol (NumPy arrays,
 array.array, bytearray, memoryview; read-only ones where only read), DLPack objects on the CPU,
 and CuPy arrays (which stay on their GPU), alone or in a spec: [buf, datatype],
-[buf, count, datatype], [buf, (count, displ), datatype] (the datatype may be left out; it is
+[buf, count, datatype], [buf, (count, displ), datatype], and for the v-variants
+[buf, counts, displs, datatype] and its shorter forms (the datatype may be left out; it is
 then the buffer's own). The caller's memory is always viewed, never copied, so results land
-where mpi4py would put them. Data movement (Bcast, Gather, Allgather, Alltoall) sends the
-bytes as they are, so any datatype works; reductions need a numeric one.
+where mpi4py would put them (v-variant blocks at displacements that are not back to back
+go through one staging buffer). Data movement sends the bytes as they are, so any datatype
+works; reductions need a numeric one.
 """
 
 import ctypes
@@ -27,7 +36,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util import dtlib
 
-from .arrays import is_device
+from .arrays import array_module, is_device
 from .communicator import Communicator
 from .errors import InvalidArgumentError, InvalidTypeError
 
@@ -38,23 +47,106 @@ def wrap(mpi_comm=None, **options):
 
 
 def _spec(spec):
-    """(buffer, count or None, displacement, MPI datatype or None) of an mpi4py buffer spec."""
+    """(buffer, count or None, displacement, MPI datatype or None) of an mpi4py buffer spec:
+    buf, [buf, datatype], [buf, count], [buf, (count, displ)], [buf, count, datatype],
+    [buf, (count, displ), datatype] or [buf, count, displ, datatype], as mpi4py reads them."""
     if not isinstance(spec, (list, tuple)):
         return spec, None, 0, None
-    if not spec:
-        raise InvalidArgumentError("ringcoll.wrap: an empty buffer spec; pass buf or "
-                                   "[buf, count, datatype]")
-    buf, *rest = spec
-    datatype = rest.pop() if rest and isinstance(rest[-1], MPI.Datatype) else None
-    count, displ = None, 0
-    if len(rest) == 1:
-        count = rest[0]
-        if isinstance(count, (list, tuple)):
-            count, displ = count
-    elif rest:
-        raise InvalidArgumentError(f"ringcoll.wrap: buffer spec {spec!r} has counts and "
-                                   "displacements; those are for the v-variants")
-    return buf, count, displ, datatype
+    count = displ = datatype = None
+    if len(spec) == 2:
+        buf, count = spec
+        if isinstance(count, MPI.Datatype):
+            count, datatype = None, count
+    elif len(spec) == 3:
+        buf, count, datatype = spec
+    elif len(spec) == 4:
+        buf, count, displ, datatype = spec
+    else:
+        raise InvalidArgumentError(f"ringcoll.wrap: a buffer spec has 1 to 4 items, not "
+                                   f"{len(spec)}; pass buf or [buf, count, datatype]")
+    if isinstance(count, (list, tuple)):
+        count, displ = count
+    return buf, count, displ or 0, datatype
+
+
+def _vector(spec, p, name):
+    """(the whole buffer as a 1-D view, counts, displacements) of a v-variant spec: buf,
+    [buf, datatype], [buf, counts], [buf, (counts, displs)], [buf, counts, datatype],
+    [buf, (counts, displs), datatype] or [buf, counts, displs, datatype], in elements of the
+    datatype, as mpi4py reads them: no counts splits the buffer like np.array_split, an
+    integer count is every block's, an integer displacement is a stride."""
+    buf, counts, displs, datatype = spec, None, None, None
+    if isinstance(spec, (list, tuple)):
+        if len(spec) == 2:
+            buf, counts = spec
+            if isinstance(counts, MPI.Datatype):
+                counts, datatype = None, counts
+        elif len(spec) == 3:
+            buf, counts, datatype = spec
+        elif len(spec) == 4:
+            buf, counts, displs, datatype = spec
+        else:
+            raise InvalidArgumentError(f"ringcoll.wrap: a buffer spec has 1 to 4 items, not "
+                                       f"{len(spec)}; pass [buf, counts, displs, datatype]")
+        if isinstance(counts, tuple):
+            counts, displs = counts
+    flat = _elements(buf if datatype is None else [buf, datatype], name)
+    if counts is None:
+        counts = [flat.size // p + (flat.size % p > i) for i in range(p)]
+    elif isinstance(counts, (int, np.integer)):
+        counts = [int(counts)] * p
+    else:
+        counts = [int(c) for c in counts]
+    if displs is None:
+        displs = np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)]).tolist()
+    elif isinstance(displs, (int, np.integer)):
+        displs = [int(displs) * i for i in range(p)]
+    else:
+        displs = [int(d) for d in displs]
+    if len(counts) != p or len(displs) != p:
+        raise InvalidArgumentError(f"ringcoll.wrap: {name} has {len(counts)} counts and "
+                                   f"{len(displs)} displacements; pass one of each per rank "
+                                   f"({p})")
+    for c, d in zip(counts, displs):
+        if c < 0 or d < 0 or d + c > flat.size:
+            raise InvalidArgumentError(f"ringcoll.wrap: {name} has {flat.size} elements; "
+                                       f"count {c} at displacement {d} does not fit")
+    return flat, counts, displs
+
+
+def _byte_vector(spec, p, name):
+    """_vector, in bytes: data movement needs no element type."""
+    flat, counts, displs = _vector(spec, p, name)
+    size = flat.dtype.itemsize
+    return _bytes(flat), [c * size for c in counts], [d * size for d in displs]
+
+
+def _contiguous(counts, displs):
+    """True if the blocks lie one after the other from the start, as the core writes them."""
+    return displs == np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)]).tolist()
+
+
+def _packed(flat, counts, displs):
+    """The blocks of a v-spec one after the other: a view when they already are, else a
+    copy."""
+    if _contiguous(counts, displs):
+        return flat[:sum(counts)]
+    return array_module(flat).concatenate([flat[d:d + c] for c, d in zip(counts, displs)])
+
+
+def _unpacked(flat, counts, displs):
+    """(where the core writes the blocks one after the other, and a function that puts them
+    at their displacements, or None if they are written in place)."""
+    if _contiguous(counts, displs):
+        return flat[:sum(counts)], None
+    staging = array_module(flat).empty(sum(counts), flat.dtype)
+
+    def place():
+        start = 0
+        for c, d in zip(counts, displs):
+            flat[d:d + c] = staging[start:start + c]
+            start += c
+    return staging, place
 
 
 class _PassThrough(Exception):
@@ -105,6 +197,8 @@ def _array(buf, name):
     """buf as a NumPy (or CuPy) array viewing the caller's memory, never a copy."""
     if isinstance(buf, np.ndarray) or is_device(buf):
         return buf
+    if buf is None:  # mpi4py takes None as an empty buffer where a count of 0 is meant
+        return np.empty(0, np.uint8)
     try:
         return np.asarray(memoryview(buf))
     except TypeError:
@@ -263,8 +357,60 @@ def _in_place(sendbuf):
 _NOTHING = object()  # matches no argument
 
 
+class Request:
+    """A non-blocking collective of wrap(): mpi4py's Request methods over ringcoll's.
+
+    Wait() (and wait(), test(), Test()) finish the call as mpi4py's do. MPI.Request.Waitall
+    and friends take MPI handles only and refuse this object (a TypeError, never a silent
+    no-op): use Request.Waitall(requests) from here, or wait on each.
+    """
+
+    def __init__(self, inner, finish=None):
+        self._inner, self._finish, self._done = inner, finish, False
+
+    def Wait(self, status=None):
+        if not self._done:
+            self._inner.wait()
+            if self._finish is not None:
+                self._finish()  # e.g. blocks moved to their displacements
+            self._done = True
+        return True
+
+    def Test(self, status=None):
+        if not (self._done or self._inner.test()):
+            return False
+        return self.Wait()
+
+    def Get_status(self, status=None):
+        return self._done or self._inner.test()
+
+    def wait(self, status=None):
+        self.Wait()
+
+    def test(self, status=None):
+        return self.Test(), None
+
+    def Free(self):
+        self.Wait()  # a collective cannot be abandoned half-way; MPI completes it too
+
+    @staticmethod
+    def Waitall(requests, statuses=None):
+        for request in requests:
+            request.Wait()
+        return True
+
+    @staticmethod
+    def Testall(requests, statuses=None):
+        return all([request.Test() for request in requests])  # a list: test every one
+
+
 class MPICompat:
-    """mpi4py's upper-case collective methods over a ringcoll Communicator."""
+    """mpi4py's upper-case collective methods over a ringcoll Communicator.
+
+    Each method reads mpi4py's arguments into a call of the Communicator's (a `_Call`), then
+    runs it (the blocking form) or starts its non-blocking twin (the I-form, which returns
+    a Request); both forms share the reading, so they check and behave alike.
+    """
 
     def __init__(self, mpi_comm, **options):
         self.mpi_comm = mpi_comm
@@ -274,28 +420,64 @@ class MPICompat:
     def __getattr__(self, name):  # everything we do not override is the mpi4py communicator's
         return getattr(self.mpi_comm, name)
 
+    def _go(self, blocking, method, *args, finish=None, **kwargs):
+        """Run Communicator.method(*args, **kwargs) (blocking), or start its I-form and
+        return a Request. finish runs once the call is done."""
+        comm = self.ringcoll
+        if not blocking:
+            return Request(getattr(comm, "i" + method)(*args, **kwargs), finish)
+        getattr(comm, method)(*args, **kwargs)
+        if finish is not None:
+            finish()
+        return None
+
+    # -- reductions -------------------------------------------------------------------------
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         last = self._last_allreduce  # the same buffers and op as last time: no parsing, and
         if last[0] is sendbuf and last[1] is recvbuf and last[2] is op:  # the core replays
             self.ringcoll.allreduce(last[3], op=op, out=recvbuf)
             return
-        self._allreduce(sendbuf, recvbuf, op)
+        self._first_allreduce(sendbuf, recvbuf, op)
 
     @_passes_through("Allreduce")
-    def _allreduce(self, sendbuf, recvbuf, op):
+    def _first_allreduce(self, sendbuf, recvbuf, op):
+        self._allreduce(True, sendbuf, recvbuf, op)
+
+    @_passes_through("Iallreduce")
+    def Iallreduce(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._allreduce(False, sendbuf, recvbuf, op)
+
+    def _allreduce(self, blocking, sendbuf, recvbuf, op):
         _check_op(op)
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
-        send = recv if sendbuf is MPI.IN_PLACE else _elements(sendbuf, "sendbuf")
-        self.ringcoll.allreduce(send, op=op, out=recv)
-        if recv is recvbuf and (send is sendbuf or sendbuf is MPI.IN_PLACE):
+        send = recv if _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
+        if blocking and recv is recvbuf and (send is sendbuf or sendbuf is MPI.IN_PLACE):
             self._last_allreduce = (sendbuf, recvbuf, op, send)  # plain arrays: remembered
+        if blocking:
+            self.ringcoll.allreduce(send, op=op, out=recv)
+            return None
+        return self._go(False, "allreduce", send, op=op, out=recv)
 
-    @_passes_through("Reduce_scatter_block")
-    def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+    def _reduce(self, blocking, sendbuf, recvbuf, op, root):
+        _check_op(op)
+        is_root = self.ringcoll.rank == root
+        recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf") if is_root else None
+        send = recv if is_root and _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
+        return self._go(blocking, "reduce", send, op=op, root=root, out=recv)
+
+    @_passes_through("Reduce")
+    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
+        return self._reduce(True, sendbuf, recvbuf, op, root)
+
+    @_passes_through("Ireduce")
+    def Ireduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
+        return self._reduce(False, sendbuf, recvbuf, op, root)
+
+    def _reduce_scatter_block(self, blocking, sendbuf, recvbuf, op):
         _check_op(op)
         p = self.ringcoll.size
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
-        if sendbuf is MPI.IN_PLACE:  # MPI: recvbuf holds all p blocks; the result is block 0
+        if _in_place(sendbuf):  # MPI: recvbuf holds all p blocks; the result is block 0
             send, recv = recv.copy(), recv[:recv.size // p]
         else:
             send = _elements(sendbuf, "sendbuf")
@@ -303,63 +485,246 @@ class MPICompat:
             raise InvalidArgumentError(
                 f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} elements; it "
                 f"must have size * len(recvbuf) = {p * recv.size}")
-        self.ringcoll.reduce_scatter(send.reshape(p, -1), op=op, out=recv.reshape(1, -1))
+        return self._go(blocking, "reduce_scatter", send.reshape(p, -1), op=op,
+                        out=recv.reshape(1, -1))
 
-    @_passes_through("Allgather")
-    def Allgather(self, sendbuf, recvbuf):
-        p = self.ringcoll.size
-        recv = _bytes(_writeable(_elements(recvbuf, "recvbuf", p), "recvbuf"))
-        if _in_place(sendbuf):  # this rank's block is already in place in recvbuf
-            send = recv.reshape(p, -1)[self.ringcoll.rank].copy()
+    @_passes_through("Reduce_scatter_block")
+    def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._reduce_scatter_block(True, sendbuf, recvbuf, op)
+
+    @_passes_through("Ireduce_scatter_block")
+    def Ireduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._reduce_scatter_block(False, sendbuf, recvbuf, op)
+
+    def _reduce_scatter(self, blocking, sendbuf, recvbuf, recvcounts, op):
+        _check_op(op)
+        comm = self.ringcoll
+        recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
+        in_place = _in_place(sendbuf)
+        if recvcounts is None:
+            if in_place:
+                raise InvalidArgumentError("ringcoll.wrap Reduce_scatter: in place needs "
+                                           "recvcounts (recvbuf holds every rank's block)")
+            # as mpi4py: every rank's receive count is its recvbuf's size (a blocking
+            # all-gather, also for Ireduce_scatter)
+            recvcounts = comm.allgather(np.array([recv.size], dtype=np.int64))
+        counts = [int(c) for c in recvcounts]
+        if len(counts) != comm.size:
+            raise InvalidArgumentError(f"ringcoll.wrap Reduce_scatter: {len(counts)} "
+                                       f"recvcounts; pass one per rank ({comm.size})")
+        total = sum(counts)
+        if in_place:  # recvbuf holds all the blocks; the result is its start
+            if recv.size != total:
+                raise InvalidArgumentError(
+                    f"ringcoll.wrap Reduce_scatter: recvbuf has {recv.size} elements; in "
+                    f"place it must hold sum(recvcounts) = {total}")
+            send, recv = recv.copy(), recv[:counts[comm.rank]]
         else:
-            send = _bytes(_elements(sendbuf, "sendbuf"))
-        if recv.size != p * send.size:
-            raise InvalidArgumentError(
-                f"ringcoll.wrap Allgather: recvbuf has {recv.size} bytes; it must have "
-                f"size * the bytes of sendbuf = {p * send.size}")
-        self.ringcoll.allgather(send.reshape(1, -1), out=recv.reshape(p, -1))
+            send = _elements(sendbuf, "sendbuf")
+            if send.size != total or recv.size != counts[comm.rank]:
+                raise InvalidArgumentError(
+                    f"ringcoll.wrap Reduce_scatter: sendbuf has {send.size} elements and "
+                    f"recvbuf {recv.size}; they must have sum(recvcounts) = {total} and "
+                    f"recvcounts[{comm.rank}] = {counts[comm.rank]}")
+        return self._go(blocking, "reduce_scatter", send, op=op, out=recv, counts=counts)
 
-    @_passes_through("Gather")
-    def Gather(self, sendbuf, recvbuf, root=0):
-        p, rank = self.ringcoll.size, self.ringcoll.rank
-        recv = None
-        if rank == root:  # recvbuf matters on root only, as in MPI
-            recv = _bytes(_writeable(_elements(recvbuf, "recvbuf", p), "recvbuf"))
-        if rank == root and _in_place(sendbuf):
-            send = recv.reshape(p, -1)[root].copy()
-        else:
-            send = _bytes(_elements(sendbuf, "sendbuf"))
-        if recv is not None and recv.size != p * send.size:
-            raise InvalidArgumentError(
-                f"ringcoll.wrap Gather: recvbuf has {recv.size} bytes; it must have "
-                f"size * the bytes of sendbuf = {p * send.size}")
-        self.ringcoll.gather(send.reshape(1, -1), root=root,
-                             out=None if recv is None else recv.reshape(p, -1))
+    @_passes_through("Reduce_scatter")
+    def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
+        return self._reduce_scatter(True, sendbuf, recvbuf, recvcounts, op)
 
-    @_passes_through("Bcast")
-    def Bcast(self, buf, root=0):
+    @_passes_through("Ireduce_scatter")
+    def Ireduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
+        return self._reduce_scatter(False, sendbuf, recvbuf, recvcounts, op)
+
+    def _scan(self, blocking, method, sendbuf, recvbuf, op):
+        _check_op(op)
+        recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
+        send = recv if _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
+        return self._go(blocking, method, send, op=op, out=recv)
+
+    @_passes_through("Scan")
+    def Scan(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._scan(True, "scan", sendbuf, recvbuf, op)
+
+    @_passes_through("Iscan")
+    def Iscan(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._scan(False, "scan", sendbuf, recvbuf, op)
+
+    @_passes_through("Exscan")
+    def Exscan(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._scan(True, "exscan", sendbuf, recvbuf, op)
+
+    @_passes_through("Iexscan")
+    def Iexscan(self, sendbuf, recvbuf, op=MPI.SUM):
+        return self._scan(False, "exscan", sendbuf, recvbuf, op)
+
+    # -- data movement: bytes as they are -----------------------------------------------------
+    def _bcast(self, blocking, buf, root):
         x = _bytes(_elements(buf, "buf"))
         if self.ringcoll.rank != root:
             _writeable(x, "buf")
-        self.ringcoll.broadcast(x, root=root)
+        return self._go(blocking, "broadcast", x, root=root)
 
-    @_passes_through("Reduce")
-    def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
-        _check_op(op)
-        is_root = self.ringcoll.rank == root
-        recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf") if is_root else None
-        send = recv if sendbuf is MPI.IN_PLACE else _elements(sendbuf, "sendbuf")
-        self.ringcoll.reduce(send, op=op, root=root, out=recv)
+    @_passes_through("Bcast")
+    def Bcast(self, buf, root=0):
+        return self._bcast(True, buf, root)
 
-    @_passes_through("Alltoall")
-    def Alltoall(self, sendbuf, recvbuf):
+    @_passes_through("Ibcast")
+    def Ibcast(self, buf, root=0):
+        return self._bcast(False, buf, root)
+
+    def _gather(self, blocking, sendbuf, recvbuf, root, vector):
+        p, rank = self.ringcoll.size, self.ringcoll.rank
+        recv = counts = place = None
+        if rank == root:  # recvbuf matters on root only, as in MPI
+            if vector:
+                flat, counts, displs = _byte_vector(recvbuf, p, "recvbuf")
+            else:
+                flat = _bytes(_elements(recvbuf, "recvbuf", p))
+                if flat.size % p:
+                    raise InvalidArgumentError(f"ringcoll.wrap Gather: recvbuf has {flat.size} "
+                                               f"bytes, not a multiple of the size {p}")
+                counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
+            _writeable(flat, "recvbuf")
+            recv, place = _unpacked(flat, counts, displs)
+        if rank == root and _in_place(sendbuf):  # root's block is in place in recvbuf
+            send = flat[displs[root]:displs[root] + counts[root]].copy()
+        else:
+            send = _bytes(_elements(sendbuf, "sendbuf"))
+        return self._go(blocking, "gather", send, root=root, out=recv, counts=counts,
+                        finish=place)
+
+    @_passes_through("Gather")
+    def Gather(self, sendbuf, recvbuf, root=0):
+        return self._gather(True, sendbuf, recvbuf, root, False)
+
+    @_passes_through("Igather")
+    def Igather(self, sendbuf, recvbuf, root=0):
+        return self._gather(False, sendbuf, recvbuf, root, False)
+
+    @_passes_through("Gatherv")
+    def Gatherv(self, sendbuf, recvbuf, root=0):
+        return self._gather(True, sendbuf, recvbuf, root, True)
+
+    @_passes_through("Igatherv")
+    def Igatherv(self, sendbuf, recvbuf, root=0):
+        return self._gather(False, sendbuf, recvbuf, root, True)
+
+    def _scatter(self, blocking, sendbuf, recvbuf, root, vector):
+        p, rank = self.ringcoll.size, self.ringcoll.rank
+        send = counts = None
+        if rank == root:  # sendbuf matters on root only, as in MPI
+            if vector:
+                flat, counts, displs = _byte_vector(sendbuf, p, "sendbuf")
+            else:
+                flat = _bytes(_elements(sendbuf, "sendbuf", p))
+                if flat.size % p:
+                    raise InvalidArgumentError(f"ringcoll.wrap Scatter: sendbuf has {flat.size} "
+                                               f"bytes, not a multiple of the size {p}")
+                counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
+            send = _packed(flat, counts, displs)
+        if rank == root and _in_place(recvbuf):  # root's block stays where it is in sendbuf
+            start = sum(counts[:root])
+            recv = send[start:start + counts[root]]  # (a no-op copy, or into a packed copy)
+        else:
+            recv = _bytes(_writeable(_elements(recvbuf, "recvbuf"), "recvbuf"))
+        return self._go(blocking, "scatter", send, root=root, counts=counts, out=recv)
+
+    @_passes_through("Scatter")
+    def Scatter(self, sendbuf, recvbuf, root=0):
+        return self._scatter(True, sendbuf, recvbuf, root, False)
+
+    @_passes_through("Iscatter")
+    def Iscatter(self, sendbuf, recvbuf, root=0):
+        return self._scatter(False, sendbuf, recvbuf, root, False)
+
+    @_passes_through("Scatterv")
+    def Scatterv(self, sendbuf, recvbuf, root=0):
+        return self._scatter(True, sendbuf, recvbuf, root, True)
+
+    @_passes_through("Iscatterv")
+    def Iscatterv(self, sendbuf, recvbuf, root=0):
+        return self._scatter(False, sendbuf, recvbuf, root, True)
+
+    def _allgather(self, blocking, sendbuf, recvbuf, vector):
+        p, rank = self.ringcoll.size, self.ringcoll.rank
+        if vector:
+            flat, counts, displs = _byte_vector(recvbuf, p, "recvbuf")
+        else:
+            flat = _bytes(_elements(recvbuf, "recvbuf", p))
+            if flat.size % p:
+                raise InvalidArgumentError(f"ringcoll.wrap Allgather: recvbuf has {flat.size} "
+                                           f"bytes, not a multiple of the size {p}")
+            counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
+        _writeable(flat, "recvbuf")
+        recv, place = _unpacked(flat, counts, displs)
+        if _in_place(sendbuf):  # this rank's block is already in place in recvbuf
+            send = flat[displs[rank]:displs[rank] + counts[rank]].copy()
+        else:
+            send = _bytes(_elements(sendbuf, "sendbuf"))
+        return self._go(blocking, "allgather", send, out=recv, counts=counts, finish=place)
+
+    @_passes_through("Allgather")
+    def Allgather(self, sendbuf, recvbuf):
+        return self._allgather(True, sendbuf, recvbuf, False)
+
+    @_passes_through("Iallgather")
+    def Iallgather(self, sendbuf, recvbuf):
+        return self._allgather(False, sendbuf, recvbuf, False)
+
+    @_passes_through("Allgatherv")
+    def Allgatherv(self, sendbuf, recvbuf):
+        return self._allgather(True, sendbuf, recvbuf, True)
+
+    @_passes_through("Iallgatherv")
+    def Iallgatherv(self, sendbuf, recvbuf):
+        return self._allgather(False, sendbuf, recvbuf, True)
+
+    def _alltoall(self, blocking, sendbuf, recvbuf):
         p = self.ringcoll.size
         recv = _bytes(_writeable(_elements(recvbuf, "recvbuf", p), "recvbuf"))
         send = recv.copy() if _in_place(sendbuf) else _bytes(_elements(sendbuf, "sendbuf", p))
-        self.ringcoll.alltoall(send.reshape(p, -1), out=recv.reshape(p, -1))
+        if send.size % p or recv.size != send.size:
+            raise InvalidArgumentError(
+                f"ringcoll.wrap Alltoall: sendbuf has {send.size} bytes and recvbuf "
+                f"{recv.size}; both must hold size ({p}) equal blocks of the same size")
+        return self._go(blocking, "alltoall", send.reshape(p, -1), out=recv.reshape(p, -1))
 
+    @_passes_through("Alltoall")
+    def Alltoall(self, sendbuf, recvbuf):
+        return self._alltoall(True, sendbuf, recvbuf)
+
+    @_passes_through("Ialltoall")
+    def Ialltoall(self, sendbuf, recvbuf):
+        return self._alltoall(False, sendbuf, recvbuf)
+
+    def _alltoallv(self, blocking, sendbuf, recvbuf):
+        p = self.ringcoll.size
+        flat, rcounts, rdispls = _byte_vector(recvbuf, p, "recvbuf")
+        _writeable(flat, "recvbuf")
+        if _in_place(sendbuf):  # MPI: the data to send is in recvbuf, laid out as received
+            send, scounts = _packed(flat, rcounts, rdispls).copy(), rcounts
+        else:
+            sflat, scounts, sdispls = _byte_vector(sendbuf, p, "sendbuf")
+            send = _packed(sflat, scounts, sdispls)
+        recv, place = _unpacked(flat, rcounts, rdispls)
+        return self._go(blocking, "alltoallv", send, scounts, out=recv, recv_counts=rcounts,
+                        finish=place)
+
+    @_passes_through("Alltoallv")
+    def Alltoallv(self, sendbuf, recvbuf):
+        return self._alltoallv(True, sendbuf, recvbuf)
+
+    @_passes_through("Ialltoallv")
+    def Ialltoallv(self, sendbuf, recvbuf):
+        return self._alltoallv(False, sendbuf, recvbuf)
+
+    # -- synchronisation and lifetime -------------------------------------------------------
     def Barrier(self):
         self.ringcoll.barrier()
+
+    def Ibarrier(self):
+        return Request(self.ringcoll.ibarrier())
 
     def Free(self):
         """Close the ringcoll communicator and free the wrapped one, as mpi4py's Free does
