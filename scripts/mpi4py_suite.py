@@ -14,8 +14,12 @@ collective method whether ringcoll runs it or it passes through to mpi4py (MPICo
 method, or the wrapped communicator's).
 
 RINGCOLL_TIMEOUT defaults to 60 s here, so a rank left waiting by a peer that failed a check
-ends the job instead of sitting for 600 s. Exit status: 0 when no test failed or errored on
-any rank, 1 otherwise, 2 when the sdist could not be had.
+ends the job instead of sitting for 600 s. Before any test runs it checks that every buffer
+collective of mpi4py's Comm (METHODS: Barrier ... Exscan and each one's I-form) is ringcoll's
+own method, and stops with status 3 if one is not (--allow-through runs anyway). Exit status:
+0 when no test failed or errored on any rank, 1 otherwise, 2 when the sdist could not be had,
+3 as just said. --files test_cco_nb_buf.py,test_cco_nb_vec.py runs mpi4py's tests of the
+non-blocking forms the same way.
 """
 
 import argparse
@@ -35,9 +39,12 @@ MPI4PY_VERSION = "4.1.2"
 SHA256 = "56860286dc45f20e8821e93cb06669e30462348bf866f685553fa4b712d58d02"  # its sdist's
 INDEX = "https://pypi.org/simple/mpi4py/"
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ["Barrier", "Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather",
-           "Allgatherv", "Alltoall", "Alltoallv", "Reduce", "Allreduce",
-           "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan"]
+BLOCKING = ["Barrier", "Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather",
+            "Allgatherv", "Alltoall", "Alltoallv", "Reduce", "Allreduce",
+            "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan"]
+#: every buffer collective of mpi4py's Comm and its non-blocking form: each must be
+#: ringcoll's own (an MPICompat method), checked before any test runs
+METHODS = BLOCKING + ["I" + m[0].lower() + m[1:] for m in BLOCKING]
 
 
 def sdist_tests(cache, rank):
@@ -108,6 +115,8 @@ def main():
     ap.add_argument("--files", default="test_cco_buf.py,test_cco_vec.py")
     ap.add_argument("--cache", default=str(ROOT / ".mpi4py-sdist"))
     ap.add_argument("-v", "--verbose", action="store_true")
+    ap.add_argument("--allow-through", action="store_true",
+                    help="run even if some collective method passes through to mpi4py")
     args = ap.parse_args()
     os.environ.setdefault("RINGCOLL_TIMEOUT", "60")
 
@@ -127,6 +136,11 @@ def main():
     sys.path.insert(0, folder)
     own = [m for m in METHODS if m in MPICompat.__dict__]
     through = [m for m in METHODS if m not in own]
+    if through and not args.allow_through:
+        if rank == 0:
+            print(f"mpi4py_suite: not run by ringcoll but by mpi4py: {', '.join(through)} "
+                  "(each must be a ringcoll.compat.MPICompat method)", flush=True)
+        sys.exit(3)
     rows, bad = [], 0
     for filename in args.files.split(","):
         module = importlib.import_module(Path(filename).stem)

@@ -44,7 +44,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
           "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "compat_buffers", "trace"]
+          "errors", "compat", "compat_buffers", "compat_collectives", "trace"]
 
 
 class Checker:
@@ -689,6 +689,159 @@ def check_compat_buffers(comms, light):
     c.Free()
 
 
+def check_compat_collectives(comms, light):
+    """wrap()'s v-variants, scans and I-forms against WORLD's own call on twin buffers:
+    Gatherv/Scatterv/Allgatherv/Alltoallv with uneven counts at displacements that are not
+    back to back (gaps left untouched), every root, IN_PLACE forms, Reduce_scatter with and
+    without recvcounts, Scan/Exscan (Exscan's rank 0 buffer untouched), and each I-form through
+    its Request (Wait, Test, wait, test, Request.Waitall)."""
+    from ringcoll.compat import Request
+
+    c = CK.attempt("wrap", lambda: ringcoll.wrap(WORLD))
+    if c is None:
+        return
+
+    def twins(make, ours, ref, label):
+        a, b = make(), make()
+        CK.attempt(label, lambda: ours(a))
+        ref(b)
+        CK.check(bytes(memoryview(a)) == bytes(memoryview(b)),
+                 f"{label}: differs from MPI: {np.asarray(a)} vs {np.asarray(b)}")
+
+    counts = [(r * 3 + 1) % 4 for r in range(P)]  # uneven, with zeros from P = 4
+    displs = [sum(counts[:r]) + 2 * r + 1 for r in range(P)]  # gaps between the blocks
+    span = displs[-1] + counts[-1] + 2
+    mine = counts[RANK]
+    send = np.arange(mine, dtype=np.int32) + 100 * RANK
+    for root in sorted({0, P // 2, P - 1}):
+        twins(lambda: np.full(span, -1, np.int32),
+              lambda r: c.Gatherv(send, [r, counts, displs, MPI.INT] if RANK == root else None,
+                                  root=root),
+              lambda r: WORLD.Gatherv(send, [r, counts, displs, MPI.INT]
+                                      if RANK == root else None, root=root),
+              f"Gatherv root {root}, gaps")
+        source = np.arange(span, dtype=np.float64) * (root + 1)
+        twins(lambda: np.full(mine, -1.0),
+              lambda r: c.Scatterv([source, counts, displs, MPI.DOUBLE], r, root=root),
+              lambda r: WORLD.Scatterv([source, counts, displs, MPI.DOUBLE], r, root=root),
+              f"Scatterv root {root}, gaps")
+        twins(lambda: np.full(2, -1, np.int64),
+              lambda r: c.Scatter(np.arange(2 * P, dtype=np.int64) if RANK == root else None,
+                                  r, root=root),
+              lambda r: WORLD.Scatter(np.arange(2 * P, dtype=np.int64) if RANK == root
+                                      else None, r, root=root), f"Scatter root {root}")
+        twins(lambda: np.arange(3 * P, dtype=np.int16) * (RANK + 1),
+              lambda b: c.Scatter(b if RANK == root else None,
+                                  MPI.IN_PLACE if RANK == root else b[:3], root=root),
+              lambda b: WORLD.Scatter(b if RANK == root else None,
+                                      MPI.IN_PLACE if RANK == root else b[:3], root=root),
+              f"Scatter root {root}, IN_PLACE on root")
+    twins(lambda: np.full(span, -1, np.int32),
+          lambda r: c.Allgatherv(send, [r, counts, displs, MPI.INT]),
+          lambda r: WORLD.Allgatherv(send, [r, counts, displs, MPI.INT]), "Allgatherv, gaps")
+
+    def placed():
+        buf = np.full(span, -1, np.int32)
+        buf[displs[RANK]:displs[RANK] + mine] = send
+        return buf
+
+    twins(placed, lambda b: c.Allgatherv(MPI.IN_PLACE, [b, counts, displs, MPI.INT]),
+          lambda b: WORLD.Allgatherv(MPI.IN_PLACE, [b, counts, displs, MPI.INT]),
+          "Allgatherv IN_PLACE, gaps")
+    # Alltoallv: rank r sends (r + j) % 3 elements to rank j, at gapped displacements
+    scounts = [(RANK + j) % 3 for j in range(P)]
+    rcounts = [(i + RANK) % 3 for i in range(P)]
+    sdispls = [sum(scounts[:j]) + j for j in range(P)]
+    rdispls = [sum(rcounts[:i]) + 2 * i for i in range(P)]
+    sbuf = np.arange(sdispls[-1] + scounts[-1] + 1, dtype=np.int64) + 1000 * RANK
+    twins(lambda: np.full(rdispls[-1] + rcounts[-1] + 1, -1, np.int64),
+          lambda r: c.Alltoallv([sbuf, scounts, sdispls, MPI.INT64_T],
+                                [r, rcounts, rdispls, MPI.INT64_T]),
+          lambda r: WORLD.Alltoallv([sbuf, scounts, sdispls, MPI.INT64_T],
+                                    [r, rcounts, rdispls, MPI.INT64_T]), "Alltoallv, gaps")
+    even = [2] * P
+    twins(lambda: np.arange(2 * P, dtype=np.float32) + RANK,
+          lambda b: c.Alltoallv(MPI.IN_PLACE, [b, even, None, MPI.FLOAT]),
+          lambda b: WORLD.Alltoallv(MPI.IN_PLACE, [b, even, None, MPI.FLOAT]),
+          "Alltoallv IN_PLACE")
+    # reductions
+    total = sum(counts)
+    x = np.arange(total, dtype=np.int64) * (RANK + 1)
+    twins(lambda: np.full(mine, -1, np.int64),
+          lambda r: c.Reduce_scatter(x, r, counts), lambda r: WORLD.Reduce_scatter(x, r, counts),
+          "Reduce_scatter with recvcounts")
+    twins(lambda: np.full(mine, -1, np.int64), lambda r: c.Reduce_scatter(x, r),
+          lambda r: WORLD.Reduce_scatter(x, r), "Reduce_scatter, recvcounts from recvbuf")
+    twins(lambda: x.copy(), lambda b: c.Reduce_scatter(MPI.IN_PLACE, b, counts, op=MPI.MAX),
+          lambda b: WORLD.Reduce_scatter(MPI.IN_PLACE, b, counts, op=MPI.MAX),
+          "Reduce_scatter IN_PLACE")
+    for name, op in [("SUM", MPI.SUM), ("PROD", MPI.PROD), ("MAX", MPI.MAX), ("MIN", MPI.MIN)]:
+        y = (np.arange(5, dtype=np.int32) + RANK) % 4 + 1
+        twins(lambda: np.full(5, -7, np.int32), lambda r: c.Scan(y, r, op=op),
+              lambda r: WORLD.Scan(y, r, op=op), f"Scan {name}")
+        twins(lambda: np.full(5, -7, np.int32), lambda r: c.Exscan(y, r, op=op),
+              lambda r: WORLD.Exscan(y, r, op=op), f"Exscan {name} (rank 0's buffer untouched)")
+    twins(lambda: np.arange(4.0) + RANK, lambda b: c.Scan(MPI.IN_PLACE, b),
+          lambda b: WORLD.Scan(MPI.IN_PLACE, b), "Scan IN_PLACE")
+    twins(lambda: np.arange(4.0) + RANK, lambda b: c.Exscan(None, b),
+          lambda b: WORLD.Exscan(MPI.IN_PLACE, b), "Exscan(None, buf): in place")
+    # I-forms: several in flight, finished by each of the Request methods
+    bufs = {k: (np.zeros(P * 3, np.int32), np.zeros(P * 3, np.int32)) for k in range(4)}
+    part = np.full(3, RANK, np.int32)
+    reqs = [CK.attempt(f"Iallgather {k}", lambda k=k: c.Iallgather(part + k, bufs[k][0]))
+            for k in range(4)]
+    for k in range(4):
+        WORLD.Allgather(part + k, bufs[k][1])
+    if all(isinstance(q, Request) for q in reqs):
+        CK.check(reqs[0].Wait() is True, "Request.Wait returns True")
+        reqs[1].wait()
+        while not reqs[2].Test():
+            pass
+        flag = False
+        while not flag:
+            flag, value = reqs[3].test()
+        CK.check(value is None, "Request.test gives (True, None)")
+        for k in range(4):
+            CK.check(np.array_equal(*bufs[k]), f"Iallgather {k}: differs from MPI")
+    more = [(lambda b: c.Ibcast(b, root=P - 1), lambda b: WORLD.Bcast(b, root=P - 1),
+             lambda: np.arange(3.0) * (RANK == P - 1), "Ibcast"),
+            (lambda r: c.Iallreduce(np.arange(4) + RANK, r), lambda r: WORLD.Allreduce(
+                np.arange(4) + RANK, r), lambda: np.zeros(4, int), "Iallreduce"),
+            (lambda r: c.Igatherv(send, [r, counts, displs, MPI.INT] if RANK == 0 else None),
+             lambda r: WORLD.Gatherv(send, [r, counts, displs, MPI.INT] if RANK == 0 else None),
+             lambda: np.full(span, -1, np.int32), "Igatherv, gaps"),
+            (lambda r: c.Iscan(np.arange(3) + RANK, r),
+             lambda r: WORLD.Scan(np.arange(3) + RANK, r), lambda: np.zeros(3, int), "Iscan"),
+            (lambda r: c.Iexscan(np.arange(3) + RANK, r),
+             lambda r: WORLD.Exscan(np.arange(3) + RANK, r), lambda: np.full(3, -1), "Iexscan"),
+            (lambda r: c.Ireduce_scatter(x, r, counts), lambda r: WORLD.Reduce_scatter(
+                x, r, counts), lambda: np.zeros(mine, np.int64), "Ireduce_scatter"),
+            (lambda r: c.Ialltoallv([sbuf, scounts, sdispls, MPI.INT64_T],
+                                    [r, rcounts, rdispls, MPI.INT64_T]),
+             lambda r: WORLD.Alltoallv([sbuf, scounts, sdispls, MPI.INT64_T],
+                                       [r, rcounts, rdispls, MPI.INT64_T]),
+             lambda: np.full(rdispls[-1] + rcounts[-1] + 1, -1, np.int64), "Ialltoallv"),
+            (lambda r: c.Iscatterv([np.arange(span, dtype=np.int32), counts, displs, MPI.INT],
+                                   r, root=0),
+             lambda r: WORLD.Scatterv([np.arange(span, dtype=np.int32), counts, displs, MPI.INT],
+                                      r, root=0), lambda: np.full(mine, -1, np.int32),
+             "Iscatterv")]
+    pending = []
+    for ours, ref, make, label in more:
+        a, b = make(), make()
+        pending.append((CK.attempt(label, lambda: ours(a)), a, b, label))
+        ref(b)
+    CK.attempt("Request.Waitall", lambda: Request.Waitall([q for q, *_ in pending if q]))
+    for _, a, b, label in pending:
+        CK.check(np.array_equal(a, b), f"{label}: differs from MPI: {a} vs {b}")
+    CK.attempt("Ibarrier", lambda: c.Ibarrier().Wait())
+    CK.raises("Gatherv counts that differ from what the ranks send", ValueError,
+              lambda: c.Gatherv(send, [np.zeros(total + P, np.int32),
+                                       [n + 1 for n in counts], MPI.INT]
+                                if RANK == 0 else None, root=0))
+    c.Free()
+
+
 def check_trace(comms, light):
     """comm.trace() over MPI: results unchanged, each rank records only its own traffic, and
     Trace.gather matches every message with its receive (tests/test_trace.py checks the byte
@@ -772,6 +925,7 @@ def main():
         "errors": lambda: check_errors(comms, args.light),
         "compat": lambda: check_compat(comms, args.light),
         "compat_buffers": lambda: check_compat_buffers(comms, args.light),
+        "compat_collectives": lambda: check_compat_collectives(comms, args.light),
         "trace": lambda: check_trace(comms, args.light),
     }
     times = {}

@@ -13,9 +13,11 @@ import pytest
 import _mpirun as mpirun
 
 pytestmark = mpirun.needs_mpi
-#: the collectives wrap() runs on ringcoll today; the rest of mpi4py's pass through (issue 15)
-OWN = ["Barrier", "Bcast", "Gather", "Allgather", "Alltoall", "Reduce", "Allreduce",
-       "Reduce_scatter_block"]
+#: every buffer collective of mpi4py's Comm, and each one's I-form: all run by ringcoll
+BLOCKING = ["Barrier", "Bcast", "Gather", "Gatherv", "Scatter", "Scatterv", "Allgather",
+            "Allgatherv", "Alltoall", "Alltoallv", "Reduce", "Allreduce",
+            "Reduce_scatter_block", "Reduce_scatter", "Scan", "Exscan"]
+OWN = BLOCKING + ["I" + m[0].lower() + m[1:] for m in BLOCKING]
 
 
 @pytest.mark.parametrize("nprocs", [1, 3])

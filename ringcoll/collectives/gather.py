@@ -1,10 +1,10 @@
 """Gather: every rank's x concatenated along axis 0, on root only (None elsewhere).
 
-Ranks may pass different lengths on axis 0, as in allgather: the row counts (and a check that
-dtypes, trailing shapes, root's out= and counts= agree) travel first, in allgather's small exchange of
-6 numbers per rank, so that every rank raises alike when they do not. The data then goes up
-the binomial tree (algorithms/tree.py gather: broadcast's shape with the data flowing
-towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes, plus
+Ranks may pass different lengths on axis 0, as in allgather: the row counts (and a check
+that dtypes, trailing shapes, root's out= and counts= agree) travel first, in allgather's
+small exchange of 6 numbers per rank, so that every rank raises alike when they do not. The
+data then goes up the binomial tree (algorithms/tree.py gather: broadcast's shape with the
+data flowing towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes, plus
 (p-1) a for the counts' ring all-gather.
 """
 
