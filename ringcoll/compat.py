@@ -415,6 +415,7 @@ class MPICompat:
     def __init__(self, mpi_comm, **options):
         self.mpi_comm = mpi_comm
         self.ringcoll = Communicator(mpi_comm, **options)
+        self._options = options
         self._last_allreduce = (_NOTHING,) * 4  # (sendbuf, recvbuf, op, send view)
 
     def __getattr__(self, name):  # everything we do not override is the mpi4py communicator's
@@ -718,6 +719,28 @@ class MPICompat:
     @_passes_through("Ialltoallv")
     def Ialltoallv(self, sendbuf, recvbuf):
         return self._alltoallv(False, sendbuf, recvbuf)
+
+    # -- new communicators are wrapped too: code that splits or dups keeps running ringcoll --
+    def _wrapped(self, comm):
+        return comm if comm == MPI.COMM_NULL else MPICompat(comm, **self._options)
+
+    def Dup(self, *args, **kwargs):
+        return self._wrapped(self.mpi_comm.Dup(*args, **kwargs))
+
+    def Clone(self):
+        return self._wrapped(self.mpi_comm.Clone())
+
+    def Split(self, color=0, key=0):
+        return self._wrapped(self.mpi_comm.Split(color, key))
+
+    def Split_type(self, *args, **kwargs):
+        return self._wrapped(self.mpi_comm.Split_type(*args, **kwargs))
+
+    def Create(self, group):
+        return self._wrapped(self.mpi_comm.Create(group))
+
+    def Create_group(self, group, tag=0):
+        return self._wrapped(self.mpi_comm.Create_group(group, tag))
 
     # -- synchronisation and lifetime -------------------------------------------------------
     def Barrier(self):
