@@ -1,0 +1,38 @@
+"""The README's mpi4py drop-in examples run as they stand, under mpiexec at 1 and 3 ranks.
+
+Every ```python block of the "mpi4py code" section that asserts something is written to a file
+and launched; each must exit 0 (a failed assert on any rank fails the launch).
+"""
+
+import re
+
+import pytest
+
+import _mpirun as mpirun
+
+pytestmark = mpirun.needs_mpi
+
+
+def examples():
+    text = (mpirun.ROOT / "README.md").read_text()
+    start = text.index("### mpi4py code")
+    section = text[start:text.index("\n### ", start + 1)]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.S)
+    return [b for b in blocks if "assert" in b]
+
+
+def test_the_section_has_one_example_per_family():
+    firsts = [b.splitlines()[0] for b in examples()]
+    assert [f.split(":")[0] for f in firsts] == [
+        "# reductions", "# data movement", "# non-blocking", "# passed through to mpi4py"]
+
+
+@pytest.mark.parametrize("nprocs", [1, 3])
+@pytest.mark.parametrize("index", range(4))
+def test_readme_example_runs(index, nprocs, tmp_path):
+    code = examples()[index]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
+                                  timeout=120)
+    assert rc == 0, f"README example {code.splitlines()[0]!r} at -n {nprocs}:\n{out[-3000:]}"
