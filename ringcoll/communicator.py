@@ -224,27 +224,32 @@ class Communicator:
         return side.path, side.why_path
 
     # -- the other collectives -----------------------------------------------------------------
-    def reduce_scatter(self, x, op="sum", out=None, algorithm=None):
+    def reduce_scatter(self, x, op="sum", out=None, algorithm=None, counts=None):
         """Reduce x over all ranks and give rank r the r-th block of the result.
 
-        x is split along axis 0 like np.array_split(x, size): the first x.shape[0] % size
-        blocks get one more row.
+        x is split along axis 0 into size blocks: counts[r] rows for rank r if counts is
+        given (MPI_Reduce_scatter's recvcounts), else like np.array_split(x, size): the first
+        x.shape[0] % size blocks get one more row.
 
         Args:
             x (np.ndarray): at least 1-D; same shape and dtype on every rank.
             op: as for allreduce.
             out (np.ndarray): where to write this rank's block.
             algorithm (str): "ring" (also "auto") or "native".
+            counts (sequence of int): rows of each rank's block: size non-negative ints
+                summing to x.shape[0], the same on every rank (checked on each rank for
+                itself; debug mode compares them across ranks).
 
         Returns:
-            np.ndarray: this rank's block, shape (rows_r,) + x.shape[1:].
+            np.ndarray: this rank's block, shape (counts[r],) + x.shape[1:].
 
         Example::
 
             # 2 ranks, x = np.arange(4) + rank: rank 0 gets [1, 3], rank 1 gets [5, 7]
+            # counts=[3, 1]: rank 0 gets [1, 3, 5], rank 1 gets [7]
         """
         return self._runner.run(self._runner.plan(collectives.reduce_scatter, x, op, out,
-                                                  algorithm))
+                                                  algorithm, counts))
 
     def allgather(self, x, out=None, algorithm=None):
         """Concatenate every rank's x along axis 0, on every rank.
