@@ -299,6 +299,46 @@ class Communicator:
         """
         return self._runner.run(self._runner.plan(collectives.alltoall, x, out, algorithm))
 
+    def alltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None):
+        """Send counts[j] rows of x to rank j (MPI_Alltoallv): all-to-all with uneven blocks.
+
+        x holds this rank's blocks back to back along axis 0: rows 0 .. counts[0]-1 go to
+        rank 0, the next counts[1] to rank 1, and so on. The ranks first exchange how many
+        rows each sends each (and check that dtypes and trailing shapes agree), then the data.
+        A disagreement between ranks (dtype or trailing shape, recv_counts that differ from
+        what the senders send, out= with the wrong row count) raises on every rank before any
+        data moves: CollectiveMismatchError or InvalidArgumentError on the rank at fault,
+        PeerFailedError on the others.
+
+        Args:
+            x (np.ndarray): this rank's rows (a 0-d x is one row); the same dtype and
+                trailing shape on every rank.
+            counts (sequence of int): rows for each rank: size non-negative ints summing to
+                x.shape[0] (zeros allowed: nothing is sent for an empty block).
+            out (np.ndarray): where to write the result: shape (sum of received rows,) +
+                x.shape[1:] and x's dtype; must not overlap x (there is no in-place form:
+                for MPI_IN_PLACE pass a copy of the buffer as x).
+            recv_counts (sequence of int): the rows expected from each rank, checked against
+                what the senders' counts say (None: take what they send).
+            algorithm (str): "pairwise" (also "auto") or "native" (MPI_Alltoallv).
+
+        Returns:
+            np.ndarray: the received blocks in rank order (block i from rank i), shape
+            (sum of received rows,) + x.shape[1:].
+
+        Cost: (p-1) a + 40 (p-1) b for the count exchange (5 int64 per pair), ceil(log2 p) a
+        more when some rank passes recv_counts= or out= (every rank's verdict, all-gathered),
+        then at most (p-1) a + max(sent, received) b for the data, empty blocks skipped.
+
+        Example::
+
+            # 2 ranks; rank 0: x = [0, 1, 2], counts=[1, 2]; rank 1: x = [10], counts=[1, 0]
+            # rank 0 gets [0, 10], rank 1 gets [1, 2]
+            y = comm.alltoallv(x, counts)
+        """
+        return self._runner.run(self._runner.plan(collectives.alltoallv, x, counts, out,
+                                                  recv_counts, algorithm))
+
     def gather(self, x, root=0, out=None, algorithm=None):
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
 
