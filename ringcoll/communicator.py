@@ -328,7 +328,8 @@ class Communicator:
 
         Cost: (p-1) a + 40 (p-1) b for the count exchange (5 int64 per pair), ceil(log2 p) a
         more when some rank passes recv_counts= or out= (every rank's verdict, all-gathered),
-        then at most (p-1) a + max(sent, received) b for the data, empty blocks skipped.
+        then at most (p-1) a for the data, empty blocks skipped, each step taking the longer of
+        its send and its receive (module ringcoll.collectives.alltoallv has the details).
 
         Example::
 

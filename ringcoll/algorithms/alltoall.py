@@ -12,8 +12,9 @@ sendrecv) or nothing. Every step posts its receive before it waits on its send, 
 can only wait for its partners to reach the same step: no deadlock, whichever blocks are empty.
 
 Cost: (p-1) a + (p-1)/p n b for alltoall, with n the bytes of one rank's input; alltoallv:
-at most (p-1) a (one per non-empty block to or from another rank) + max(sent, received) b,
-where sent and received are the bytes of this rank's blocks for and from the other ranks.
+at most (p-1) a (steps with neither block non-empty cost nothing) + sum over steps s of
+max(bytes to r+s, bytes from r-s) b: between max(n_s, n_r) b and (n_s + n_r) b, for n_s / n_r
+the bytes this rank sends to / receives from the other ranks.
 """
 
 from ..transport import Tag

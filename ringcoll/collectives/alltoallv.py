@@ -18,9 +18,10 @@ others):
    CollectiveMismatchError (recv_counts) or InvalidArgumentError (out=); the others raise
    PeerFailedError naming it; no data has moved.
 3. data: the pairwise exchange of the blocks (algorithms/alltoall.py alltoallv): at most
-   (p-1) a, one per non-empty block, + max(n_s, n_r) b; empty blocks are skipped on both sides.
-In all: 2(p-1) a + max(n_s, n_r) b + 40 (p-1) b without recv_counts=/out= on any rank, plus
-ceil(log2 p) a with them.
+   (p-1) a + sum over steps s of max(bytes to r+s, bytes from r-s) b, which lies between
+   max(n_s, n_r) b and (n_s + n_r) b; empty blocks are skipped on both sides.
+In all, at most 2(p-1) a + 40 (p-1) b + the data's bytes without recv_counts=/out= on any
+rank, and ceil(log2 p) a + 8 (p-1) b more with them.
 
 "native": step 1 by MPI_Alltoall, step 2 by MPI_Allgather, step 3 by MPI_Alltoallv (the
 bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step.
