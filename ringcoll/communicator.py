@@ -224,27 +224,32 @@ class Communicator:
         return side.path, side.why_path
 
     # -- the other collectives -----------------------------------------------------------------
-    def reduce_scatter(self, x, op="sum", out=None, algorithm=None):
+    def reduce_scatter(self, x, op="sum", out=None, algorithm=None, counts=None):
         """Reduce x over all ranks and give rank r the r-th block of the result.
 
-        x is split along axis 0 like np.array_split(x, size): the first x.shape[0] % size
-        blocks get one more row.
+        x is split along axis 0 into size blocks: counts[r] rows for rank r if counts is
+        given (MPI_Reduce_scatter's recvcounts), else like np.array_split(x, size): the first
+        x.shape[0] % size blocks get one more row.
 
         Args:
             x (np.ndarray): at least 1-D; same shape and dtype on every rank.
             op: as for allreduce.
             out (np.ndarray): where to write this rank's block.
             algorithm (str): "ring" (also "auto") or "native".
+            counts (sequence of int): rows of each rank's block: size non-negative ints
+                summing to x.shape[0], the same on every rank (checked on each rank for
+                itself; debug mode compares them across ranks).
 
         Returns:
-            np.ndarray: this rank's block, shape (rows_r,) + x.shape[1:].
+            np.ndarray: this rank's block, shape (counts[r],) + x.shape[1:].
 
         Example::
 
             # 2 ranks, x = np.arange(4) + rank: rank 0 gets [1, 3], rank 1 gets [5, 7]
+            # counts=[3, 1]: rank 0 gets [1, 3, 5], rank 1 gets [7]
         """
         return self._runner.run(self._runner.plan(collectives.reduce_scatter, x, op, out,
-                                                  algorithm))
+                                                  algorithm, counts))
 
     def allgather(self, x, out=None, algorithm=None, counts=None):
         """Concatenate every rank's x along axis 0, on every rank.
@@ -303,6 +308,47 @@ class Communicator:
         """
         return self._runner.run(self._runner.plan(collectives.alltoall, x, out, algorithm))
 
+    def alltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None):
+        """Send counts[j] rows of x to rank j (MPI_Alltoallv): all-to-all with uneven blocks.
+
+        x holds this rank's blocks back to back along axis 0: rows 0 .. counts[0]-1 go to
+        rank 0, the next counts[1] to rank 1, and so on. The ranks first exchange how many
+        rows each sends each (and check that dtypes and trailing shapes agree), then the data.
+        A disagreement between ranks (dtype or trailing shape, recv_counts that differ from
+        what the senders send, out= with the wrong row count) raises on every rank before any
+        data moves: CollectiveMismatchError or InvalidArgumentError on the rank at fault,
+        PeerFailedError on the others.
+
+        Args:
+            x (np.ndarray): this rank's rows (a 0-d x is one row); the same dtype and
+                trailing shape on every rank.
+            counts (sequence of int): rows for each rank: size non-negative ints summing to
+                x.shape[0] (zeros allowed: nothing is sent for an empty block).
+            out (np.ndarray): where to write the result: shape (sum of received rows,) +
+                x.shape[1:] and x's dtype; must not overlap x (there is no in-place form:
+                for MPI_IN_PLACE pass a copy of the buffer as x).
+            recv_counts (sequence of int): the rows expected from each rank, checked against
+                what the senders' counts say (None: take what they send).
+            algorithm (str): "pairwise" (also "auto") or "native" (MPI_Alltoallv).
+
+        Returns:
+            np.ndarray: the received blocks in rank order (block i from rank i), shape
+            (sum of received rows,) + x.shape[1:].
+
+        Cost: (p-1) a + 40 (p-1) b for the count exchange (5 int64 per pair), ceil(log2 p) a
+        more when some rank passes recv_counts= or out= (every rank's verdict, all-gathered),
+        then at most (p-1) a for the data, empty blocks skipped, each step taking the longer of
+        its send and its receive (module ringcoll.collectives.alltoallv has the details).
+
+        Example::
+
+            # 2 ranks; rank 0: x = [0, 1, 2], counts=[1, 2]; rank 1: x = [10], counts=[1, 0]
+            # rank 0 gets [0, 10], rank 1 gets [1, 2]
+            y = comm.alltoallv(x, counts)
+        """
+        return self._runner.run(self._runner.plan(collectives.alltoallv, x, counts, out,
+                                                  recv_counts, algorithm))
+
     def gather(self, x, root=0, out=None, algorithm=None, counts=None):
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
 
@@ -344,9 +390,15 @@ class Communicator:
     def _start(self, collective, call, *args):
         return self._runner.submit(self._runner.plan(collective, *args, call=call))
 
-    def ireduce_scatter(self, x, op="sum", out=None, algorithm=None):
+    def ireduce_scatter(self, x, op="sum", out=None, algorithm=None, counts=None):
         """Non-blocking reduce_scatter: a Request; wait() gives this rank's block."""
-        return self._start(collectives.reduce_scatter, "ireduce_scatter", x, op, out, algorithm)
+        return self._start(collectives.reduce_scatter, "ireduce_scatter", x, op, out, algorithm,
+                           counts)
+
+    def ialltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None):
+        """Non-blocking alltoallv: a Request; wait() gives the received blocks."""
+        return self._start(collectives.alltoallv, "ialltoallv", x, counts, out, recv_counts,
+                           algorithm)
 
     def iallgather(self, x, out=None, algorithm=None, counts=None):
         """Non-blocking allgather: a Request; wait() gives the concatenated rows."""

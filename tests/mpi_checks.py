@@ -44,7 +44,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
           "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "compat_buffers", "compat_collectives", "trace"]
+          "errors", "compat", "compat_buffers", "compat_collectives", "trace", "alltoallv"]
 
 
 class Checker:
@@ -352,6 +352,70 @@ def check_alltoall(comms, light):
                 expected = np.concatenate(blocks)
                 CK.check(y is not None and y.shape == expected.shape
                          and y.tobytes() == expected.tobytes(), f"{label}: wrong blocks")
+
+
+def check_alltoallv(comms, light):
+    """alltoallv against mpi4py's own Alltoallv, reduce_scatter(counts=) against its
+    Reduce_scatter with recvcounts, on WORLD: uneven and zero counts, several dtypes."""
+    rng = np.random.default_rng([P, 0xA11])
+    sends = [rng.integers(0, 4, (P, P)), np.zeros((P, P), int),
+             np.array([[5 * (j == 0) for j in range(P)] for _ in range(P)])]  # all to rank 0
+    for cname in ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for algo in (None, "native"):
+            for i, C in enumerate(sends):
+                for trail, dtype in (((), NATIVE_OK[(i + P) % len(NATIVE_OK)]),
+                                     ((2, 3), NATIVE_OK[(3 * i + P + 5) % len(NATIVE_OK)]),
+                                     ((), O.BFLOAT16 or np.dtype(np.float16))):
+                    counts, got = [int(c) for c in C[RANK]], [int(c) for c in C[:, RANK]]
+                    x = O.make_input(75_000 + i, RANK, (sum(counts),) + trail, dtype)
+                    label = f"{cname} {algo} case {i} trail={trail} {dtype}"
+                    y = CK.attempt(label, lambda: comm.alltoallv(
+                        x, counts, algorithm=algo, recv_counts=got if i % 2 else None))
+                    row = int(np.prod(trail, dtype=np.int64))
+                    ref = np.empty((sum(got),) + trail, dtype)
+                    # mpi4py's own, as bytes (MPI has no datatype for the half types)
+                    WORLD.Alltoallv([x.view(np.uint8), [c * row * dtype.itemsize
+                                                        for c in counts], MPI.BYTE],
+                                    [ref.view(np.uint8), [c * row * dtype.itemsize
+                                                          for c in got], MPI.BYTE])
+                    CK.check(y is not None and y.shape == ref.shape and y.dtype == dtype
+                             and y.tobytes() == ref.tobytes(), f"{label}: wrong blocks")
+    # a wrong recv_counts on rank 0 raises on every rank, and the next call still works
+    comm = comms["world"]
+    if P > 1:
+        bad = [1] * P if RANK == 0 else None
+        CK.raises("recv_counts mismatch", (ringcoll.CollectiveMismatchError,
+                                           ringcoll.PeerFailedError),
+                  lambda: comm.alltoallv(np.ones(2 * P), [2] * P, recv_counts=bad),
+                  "recv_counts")
+    y = CK.attempt("after the mismatch", lambda: comm.alltoallv(np.full(P, RANK), [1] * P))
+    CK.check(y is not None and y.tolist() == list(range(P)), f"after the mismatch: {y}")
+    # reduce_scatter with counts, against MPI_Reduce_scatter's recvcounts
+    slot = 0
+    for algo in (None, "native"):
+        for total, trail in ((3 * P + 1, ()), (2 * P, (3,)), (0, ())):
+            for k in range(2):
+                dtype, op = O.COMBOS[(7 * slot + P) % len(O.COMBOS)]
+                slot += 1
+                if op == "avg" or dtype in O.HALF_DTYPES:  # MPI has neither
+                    dtype, op = NATIVE_OK[slot % len(NATIVE_OK)], "sum"
+                cuts = np.sort(np.random.default_rng([P, slot]).integers(0, total + 1, P - 1))
+                counts = np.diff(np.concatenate([[0], cuts, [total]])).tolist()
+                if k:  # everything to the last rank
+                    counts = [0] * (P - 1) + [total]
+                x = O.make_input(76_000 + slot, RANK, (total,) + trail, dtype, op)
+                label = f"reduce_scatter {algo} counts={counts} trail={trail} {dtype} {op}"
+                y = CK.attempt(label, lambda: comm.reduce_scatter(x, op=op, algorithm=algo,
+                                                                  counts=counts))
+                row = int(np.prod(trail, dtype=np.int64))
+                ref = np.empty((counts[RANK],) + trail, dtype)
+                mpi_op = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}[op]
+                WORLD.Reduce_scatter(x, ref, [c * row for c in counts], op=mpi_op)
+                CK.result(label, y, ref, op, dtype)
+                if dtype.kind in "iu":
+                    CK.check(y is not None and y.tobytes() == ref.tobytes(),
+                             f"{label}: integers not exact")
 
 
 def check_barrier(comms, light, tmpdir):
@@ -927,6 +991,7 @@ def main():
         "compat_buffers": lambda: check_compat_buffers(comms, args.light),
         "compat_collectives": lambda: check_compat_collectives(comms, args.light),
         "trace": lambda: check_trace(comms, args.light),
+        "alltoallv": lambda: check_alltoallv(comms, args.light),
     }
     times = {}
     for group in groups:

@@ -57,3 +57,22 @@ def allreduce(t, src, dst, combine, ws):
     """dst = reduction of every rank's src. dst may be src (in place)."""
     for step in schedule(t, src, dst, combine, ws):
         step()
+
+
+def allgather(t, mine, tag):
+    """Bruck's all-gather alone: a (p, mine.size) array whose row j is rank j's `mine`.
+
+    The schedule above without the reduction: ceil(log2 p) sendrecv steps, every rank
+    receiving the other p - 1 ranks' buffers once; for the few numbers a collective's ranks
+    must all see before they move data (alltoallv's verdict on its exchanged counts).
+    """
+    p, r, n = t.size, t.rank, mine.size
+    slots = np.empty((p, n), mine.dtype)  # slots[i]: rank (r + i) % p's buffer
+    flat = slots.reshape(-1)
+    slots[0] = mine
+    have, d = 1, 1
+    while have < p:
+        c = min(d, p - have)
+        t.sendrecv(flat[:c * n], (r - d) % p, flat[have * n:(have + c) * n], (r + d) % p, tag)
+        have, d = have + c, 2 * d
+    return np.roll(slots, r, axis=0)  # row j = slots[(j - r) % p]: rank order

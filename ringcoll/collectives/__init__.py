@@ -9,7 +9,8 @@ with the module: runner.plan(m, *args), then runner.run(plan). Shared argument h
 _args.py. The registry below lists every collective.
 """
 
-from . import allgather, allreduce, alltoall, barrier, broadcast, gather, reduce, reduce_scatter
+from . import (allgather, allreduce, alltoall, alltoallv, barrier, broadcast, gather, reduce,
+               reduce_scatter)
 
 #: name -> module, one line per collective
 COLLECTIVES = {
@@ -19,6 +20,7 @@ COLLECTIVES = {
     broadcast.NAME: broadcast,
     reduce.NAME: reduce,
     alltoall.NAME: alltoall,
+    alltoallv.NAME: alltoallv,
     barrier.NAME: barrier,
     gather.NAME: gather,
 }

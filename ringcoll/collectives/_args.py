@@ -5,6 +5,7 @@ Each takes the Group and the error prefix `ctx` ("ringcoll rank R, allreduce: ")
 InvalidArgumentError / InvalidTypeError naming what is wrong and what to pass instead.
 """
 
+import zlib
 from functools import partial
 
 import numpy as np
@@ -183,6 +184,37 @@ def check_root(g, root, ctx):
     if not isinstance(root, (int, np.integer)) or not 0 <= root < g.size:
         raise InvalidArgumentError(f"{ctx}root={root!r} is not a rank of this communicator "
                                    f"(0..{g.size - 1})")
+
+
+def counts(values, size, ctx, total=None, name="counts"):
+    """values as a list of size non-negative ints (summing to total, if given): the rows of
+    each rank's block in an uneven collective (alltoallv's counts and recv_counts,
+    reduce_scatter's counts). Checked here, on this rank alone, before anything is sent."""
+    try:
+        found = list(values)
+    except TypeError:
+        raise InvalidArgumentError(f"{ctx}{name} must be a sequence of {size} row counts, one "
+                                   f"per rank, got {type(values).__name__}") from None
+    if len(found) != size:
+        raise InvalidArgumentError(f"{ctx}{name} has {len(found)} entries; pass one row count "
+                                   f"per rank ({size})")
+    bad = [i for i, c in enumerate(found)
+           if isinstance(c, (bool, np.bool_)) or not isinstance(c, (int, np.integer)) or c < 0]
+    if bad:
+        raise InvalidArgumentError(f"{ctx}{name}[{bad[0]}] = {found[bad[0]]!r}; row counts "
+                                   "must be non-negative integers")
+    found = [int(c) for c in found]
+    if total is not None and sum(found) != total:
+        raise InvalidArgumentError(f"{ctx}{name} sum to {sum(found)} rows but x has {total} "
+                                   f"(x.shape[0]); pass counts that sum to x.shape[0]")
+    return found
+
+
+def counts_field(values):
+    """Debug mode's fingerprint field for a list of counts: the list, or its length and CRC
+    where the list would crowd the fixed-size record."""
+    text = repr(values)
+    return values if len(text) <= 64 else f"{len(values)} counts, crc {zlib.crc32(text.encode())}"
 
 
 def as_rows(x):

@@ -1,12 +1,15 @@
 """Reduce-scatter: reduce x over all ranks, rank r keeps the r-th axis-0 block of the result.
 
-Blocks follow np.array_split(x, size) (the first x.shape[0] % size get one more row). The
+Blocks are counts[r] rows for rank r when counts is given (MPI_Reduce_scatter's recvcounts:
+the same list on every rank), else they follow np.array_split(x, size) (the first
+x.shape[0] % size get one more row). The
 ringcoll algorithm is the ring's reduce-scatter half (algorithms/ring.py: (p-1) steps of one
 block each, (p-1)a + (p-1)/p n b + (p-1)/p n g); "native" is MPI_Reduce_scatter.
 """
 
 from .. import checks
 from ..algorithms import native, ring
+from ..arrays import Partition
 from ..runner import Plan
 from . import _args
 
@@ -14,14 +17,21 @@ NAME = "reduce_scatter"
 ALGORITHMS = ("ring", "native")
 
 
-def plan(g, ctx, x, op, out, algorithm):
+def plan(g, ctx, x, op, out, algorithm, counts=None):
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     x = _args.as_rows(x)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
-    part = ws.row_partition(x.shape[0], size, _args.row_elems(x))
-    base, extra = divmod(x.shape[0], size)
-    rows = base + (1 if g.rank < extra else 0)
+    row = _args.row_elems(x)
+    if counts is None:
+        part = ws.row_partition(x.shape[0], size, row)
+        base, extra = divmod(x.shape[0], size)
+        rows = base + (1 if g.rank < extra else 0)
+    else:
+        counts = _args.counts(counts, size, ctx, total=x.shape[0])
+        part = ws.cached(("rows_by", tuple(counts), row),
+                         lambda: Partition([c * row for c in counts]))
+        rows = counts[g.rank]
     out = _args.output(out, (rows,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
     if name == "native":
@@ -46,4 +56,7 @@ def plan(g, ctx, x, op, out, algorithm):
         _args.copy_rows(dst, copy_to)
         return out
 
-    return Plan(NAME, name, _args.fields(g, side, op, x), _args.on_side(run, side))
+    # debug mode compares the counts too; counts equal to the default split are the default
+    more = ({"counts": _args.counts_field(counts)} if g.options.debug and counts is not None
+            and counts != Partition.even(x.shape[0], size).counts else {})
+    return Plan(NAME, name, _args.fields(g, side, op, x, **more), _args.on_side(run, side))

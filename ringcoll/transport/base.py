@@ -41,6 +41,8 @@ class Tag(IntEnum):
     FINGERPRINT = 15  # debug mode's exchange of every rank's call before each collective
     P2P = 16  # the user's point-to-point messages: user tag u is wire tag p2p_tag(u)
     GATHER = 17
+    COUNTS = 18  # alltoallv's pairwise exchange of the row counts (and dtype, trailing shape)
+    VERDICT = 19  # every rank's verdict on its received counts and out=, before data moves
     VIEW_STRIDE = 32
 
 

@@ -463,6 +463,10 @@ class _StagedNative(StagedTransport):
     def native_alltoall(self, sendbuf, recvbuf):
         self._native(self.inner.native_alltoall, (sendbuf, recvbuf), (recvbuf,))
 
+    def native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        self._native(lambda s, r: self.inner.native_alltoallv(s, sendcounts, r, recvcounts),
+                     (sendbuf, recvbuf), (recvbuf,))
+
     def native_barrier(self):
         self.inner.native_barrier()
 
@@ -570,6 +574,9 @@ class _CudaAwareNative(CudaAwareTransport):
 
     def native_alltoall(self, sendbuf, recvbuf):
         self._call("native_alltoall", sendbuf, recvbuf)
+
+    def native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        self._call("native_alltoallv", sendbuf, sendcounts, recvbuf, recvcounts)
 
     def native_barrier(self):
         self.inner.native_barrier()

@@ -252,6 +252,11 @@ class MPITransport(Transport):
     def native_alltoall(self, sendbuf, recvbuf):
         self.comm.Alltoall(sendbuf, recvbuf)
 
+    def native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        """MPI_Alltoallv; counts in elements of the buffers' dtype, blocks back to back. The
+        bytes travel as MPI.BYTE, as the point-to-point calls do, so any dtype travels."""
+        self.comm.Alltoallv(_bytes_spec(sendbuf, sendcounts), _bytes_spec(recvbuf, recvcounts))
+
     def native_barrier(self):
         self.comm.Barrier()
 
@@ -349,6 +354,15 @@ class _Channel(MPITransport):
 
 
 _OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "MIN": MPI.MIN}
+
+
+def _bytes_spec(buf, counts):
+    """[buf, (byte counts, byte displacements), BYTE]: blocks of `counts` elements in a row."""
+    sizes = [c * buf.itemsize for c in counts]
+    starts = [0]
+    for n in sizes[:-1]:
+        starts.append(starts[-1] + n)
+    return [buf, (sizes, starts), BYTE]
 
 
 def _in_place(sendbuf, recvbuf):

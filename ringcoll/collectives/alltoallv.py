@@ -1,0 +1,141 @@
+"""All-to-all with uneven blocks (MPI_Alltoallv): rank i sends counts[j] rows of x to rank j.
+
+x holds this rank's blocks back to back along axis 0 (block j: counts[j] rows, for rank j);
+the result holds the blocks this rank receives, in rank order. Ranks may send different row
+counts, but dtype and trailing shape (all but axis 0) must agree.
+
+Schedule, every rank (p ranks, n_s / n_r the bytes this rank sends to / receives from the
+others):
+1. counts: a pairwise exchange (algorithms/alltoall.py, Tag.COUNTS) of 5 int64 per pair: the
+   rows this rank sends that peer, its row size, ndim and a CRC of dtype and trailing shape,
+   and whether it passed recv_counts= or out=. Cost (p-1) a + 40 (p-1) b. Every rank sent its
+   layout to every rank, so if any two ranks disagree on it, every rank sees a peer that
+   differs and all raise CollectiveMismatchError here.
+2. verdict, only if some rank passed recv_counts= or out= (every rank knows that after step
+   1, so all take this step or none): Bruck's all-gather (algorithms/bruck.py, Tag.VERDICT) of
+   one int64 per rank saying whether its recv_counts match what the senders send and out= has
+   their row total. Cost ceil(log2 p) a + 8 (p-1) b. A rank whose own is wrong raises
+   CollectiveMismatchError (recv_counts) or InvalidArgumentError (out=); the others raise
+   PeerFailedError naming it; no data has moved.
+3. data: the pairwise exchange of the blocks (algorithms/alltoall.py alltoallv): at most
+   (p-1) a + sum over steps s of max(bytes to r+s, bytes from r-s) b, which lies between
+   max(n_s, n_r) b and (n_s + n_r) b; empty blocks are skipped on both sides.
+In all, at most 2(p-1) a + 40 (p-1) b + the data's bytes without recv_counts=/out= on any
+rank, and ceil(log2 p) a + 8 (p-1) b more with them.
+
+"native": step 1 by MPI_Alltoall, step 2 by MPI_Allgather, step 3 by MPI_Alltoallv (the
+bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step.
+"""
+
+import zlib
+
+import numpy as np
+
+from .. import checks
+from ..algorithms import alltoall as pairwise
+from ..algorithms import bruck, native
+from ..arrays import Partition
+from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
+from ..runner import Plan
+from ..transport import Tag
+from . import _args
+
+NAME = "alltoallv"
+ALGORITHMS = ("pairwise", "native")
+
+# a rank's verdict on its own call after the count exchange (step 2)
+FINE, WRONG_RECV_COUNTS, WRONG_OUT = 0, 1, 2
+
+
+def plan(g, ctx, x, counts, out, recv_counts, algorithm):
+    x, side = _args.rows_input(g, x, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    counts = _args.counts(counts, g.size, ctx, total=x.shape[0])
+    if recv_counts is not None:
+        recv_counts = _args.counts(recv_counts, g.size, ctx, name="recv_counts")
+    if name == "native":
+        native.check(side.t, None, ctx)
+    if out is not None:  # all but its row count can be checked now; that comes in step 2
+        rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
+        _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
+        if side.xp.may_share_memory(x, out) and side.xp.shares_memory(x, out):
+            raise InvalidArgumentError(
+                f"{ctx}out overlaps x; alltoallv has no in-place form: pass a separate out "
+                "(for MPI_IN_PLACE, pass a copy of the buffer as x)")
+    row = _args.row_elems(x)
+    send = side.ws.cached(("alltoallv", tuple(counts), row),
+                          lambda: Partition([c * row for c in counts]))
+    src = x.reshape(-1)
+
+    def run():
+        got = exchange(g, x, counts, out, recv_counts, name)  # host numbers, host transport
+        recv = Partition([c * row for c in got])
+        result = _args.output(out, (sum(got),) + x.shape[1:], x.dtype, ctx, side, rows=True)
+        dst, copy_to = _args.rows_target(result)
+        if name == "native":
+            side.t.native_alltoallv(src, send.counts, dst, recv.counts)
+        else:
+            pairwise.alltoallv(side.t, src, send, dst, recv)
+        _args.copy_rows(dst, copy_to)
+        return result
+
+    # axis 0 and the counts differ between ranks: the fingerprint leaves them out
+    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]))
+    return Plan(NAME, name, fields, _args.on_side(run, side))
+
+
+def exchange(g, x, counts, out, recv_counts, name):
+    """Steps 1 and 2 of the module docstring: the rows each rank sends this one (in rank
+    order), once every rank knows that the call is consistent; else every rank raises."""
+    p, r = g.size, g.rank
+    layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
+    checking = int(recv_counts is not None or out is not None)
+    mine = np.empty((p, 5), np.int64)  # row j: what rank j gets from this rank
+    mine[:, 0] = counts
+    mine[:, 1:] = [_args.row_elems(x), x.ndim, layout, checking]
+    theirs = np.empty_like(mine)  # row i: what rank i sent this rank
+    if name == "native":
+        g.t.native_alltoall(mine.reshape(-1), theirs.reshape(-1))
+    else:
+        pairwise.alltoall(g.t, mine.reshape(-1), theirs.reshape(-1),
+                          g.host.ws.partition(mine.size, p), Tag.COUNTS)
+    ctx = f"ringcoll rank {r}, {g.progress.call()}: "
+    bad = [i for i in range(p) if tuple(theirs[i, 1:4]) != tuple(mine[0, 1:4])]
+    if bad:
+        raise checks.agreed(CollectiveMismatchError(
+            f"{ctx}rank(s) {bad} passed a different dtype or trailing shape than this rank "
+            f"({x.dtype}, {x.shape[1:]}); only axis 0 may differ between ranks"))
+    got = [int(c) for c in theirs[:, 0]]
+    if not theirs[:, 4].any():  # no rank has anything to check: no verdict to share
+        return got
+    total = sum(got)
+    verdict = (WRONG_RECV_COUNTS if recv_counts is not None and recv_counts != got
+               else WRONG_OUT if out is not None and out.shape[0] != total else FINE)
+    own = np.array([verdict], np.int64)
+    if name == "native":
+        every = np.empty(p, np.int64)
+        g.t.native_allgather(own, every, [1] * p)
+    else:
+        every = bruck.allgather(g.t, own, Tag.VERDICT)[:, 0]
+    if verdict == WRONG_RECV_COUNTS:
+        differ = [i for i in range(p) if recv_counts[i] != got[i]]
+        raise checks.agreed(CollectiveMismatchError(
+            f"{ctx}recv_counts={recv_counts}, but the ranks send this rank {got} rows (rank(s) "
+            f"{differ} differ); pass recv_counts={got}, or recv_counts=None to take what the "
+            "senders' counts say"))
+    if verdict == WRONG_OUT:
+        raise checks.agreed(InvalidArgumentError(
+            f"{ctx}out has shape {out.shape}, but the ranks send this rank {total} rows in all; "
+            f"pass out of shape {(total,) + x.shape[1:]} or out=None"))
+    if every.any():
+        wrong_counts = [i for i in range(p) if every[i] == WRONG_RECV_COUNTS]
+        wrong_out = [i for i in range(p) if every[i] == WRONG_OUT]
+        why = "; ".join(
+            ([f"rank(s) {wrong_counts} passed recv_counts that differ from what the other "
+              "ranks send them"] if wrong_counts else [])
+            + ([f"rank(s) {wrong_out} passed out= with the wrong row count"] if wrong_out
+               else []))
+        raise checks.agreed(PeerFailedError(
+            f"{ctx}{why}, so no rank runs this alltoallv; fix the call on those ranks (their "
+            "own errors say how)"))
+    return got
