@@ -62,10 +62,16 @@ def _context(t):
 
 
 # -- the always-on neighbour check ---------------------------------------------------------
-def _header(collective, count, dtype, op_name):
+def _header(collective, count, dtype, op_name, blocks=None):
+    """(collective, count, op, dtype name as 2 int64, itemsize): blocks, uneven block sizes
+    the ranks chose (reduce_scatter's counts=), go into the last field as a crc above the
+    itemsize, so ranks that split differently are caught too."""
     name = np.frombuffer(np.dtype(dtype).name.encode()[:16].ljust(16, b"\0"), np.int64)
+    last = np.dtype(dtype).itemsize
+    if blocks is not None:
+        last += zlib.crc32(np.asarray(blocks, dtype=np.int64).tobytes()) << 8
     return np.array([HEADER_COLLECTIVES.index(collective), count, OPS.index(op_name),
-                     *name, np.dtype(dtype).itemsize], dtype=np.int64)
+                     *name, last], dtype=np.int64)
 
 
 def _describe_header(h):
@@ -75,19 +81,26 @@ def _describe_header(h):
     return f"{collective} of {h[1]} elements of {name} with op {op!r}"
 
 
-def neighbour_check(t, collective, count, dtype, op_name):
-    """Raise CollectiveMismatchError if the left neighbour's call differs from this rank's."""
+def neighbour_check(t, collective, count, dtype, op_name, blocks=None):
+    """Raise CollectiveMismatchError if the left neighbour's call differs from this rank's
+    (blocks: the block sizes, where the caller chose them)."""
     p, r = t.size, t.rank
     if p == 1:
         return
-    mine = _header(collective, count, dtype, op_name)
+    mine = _header(collective, count, dtype, op_name, blocks)
     theirs = np.empty_like(mine)
     t.sendrecv(mine, (r + 1) % p, theirs, (r - 1) % p, Tag.HEADER)
-    if not np.array_equal(mine, theirs):
+    if np.array_equal(mine, theirs):
+        return
+    if np.array_equal(mine[:5], theirs[:5]) and mine[5] & 255 == theirs[5] & 255:
         raise CollectiveMismatchError(
-            f"{_context(t)}rank {(r - 1) % p} called {_describe_header(theirs)}, this rank "
-            f"{_describe_header(mine)}. Pass the same count, dtype and op on every rank "
-            "(RINGCOLL_DEBUG=1 compares every argument of every call on all ranks).")
+            f"{_context(t)}rank {(r - 1) % p} split the result into other blocks than this "
+            f"rank ({blocks if blocks is not None else 'the default split'}); pass the same "
+            "counts= on every rank")
+    raise CollectiveMismatchError(
+        f"{_context(t)}rank {(r - 1) % p} called {_describe_header(theirs)}, this rank "
+        f"{_describe_header(mine)}. Pass the same count, dtype and op on every rank "
+        "(RINGCOLL_DEBUG=1 compares every argument of every call on all ranks).")
 
 
 # -- debug mode's fingerprints ---------------------------------------------------------------

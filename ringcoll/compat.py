@@ -421,7 +421,7 @@ class MPICompat:
     def __getattr__(self, name):  # everything we do not override is the mpi4py communicator's
         return getattr(self.mpi_comm, name)
 
-    def _go(self, blocking, method, *args, finish=None, **kwargs):
+    def _call(self, blocking, method, *args, finish=None, **kwargs):
         """Run Communicator.method(*args, **kwargs) (blocking), or start its I-form and
         return a Request. finish runs once the call is done."""
         comm = self.ringcoll
@@ -457,14 +457,14 @@ class MPICompat:
         if blocking:
             self.ringcoll.allreduce(send, op=op, out=recv)
             return None
-        return self._go(False, "allreduce", send, op=op, out=recv)
+        return self._call(False, "allreduce", send, op=op, out=recv)
 
     def _reduce(self, blocking, sendbuf, recvbuf, op, root):
         _check_op(op)
         is_root = self.ringcoll.rank == root
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf") if is_root else None
         send = recv if is_root and _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
-        return self._go(blocking, "reduce", send, op=op, root=root, out=recv)
+        return self._call(blocking, "reduce", send, op=op, root=root, out=recv)
 
     @_passes_through("Reduce")
     def Reduce(self, sendbuf, recvbuf, op=MPI.SUM, root=0):
@@ -486,7 +486,7 @@ class MPICompat:
             raise InvalidArgumentError(
                 f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} elements; it "
                 f"must have size * len(recvbuf) = {p * recv.size}")
-        return self._go(blocking, "reduce_scatter", send.reshape(p, -1), op=op,
+        return self._call(blocking, "reduce_scatter", send.reshape(p, -1), op=op,
                         out=recv.reshape(1, -1))
 
     @_passes_through("Reduce_scatter_block")
@@ -527,7 +527,7 @@ class MPICompat:
                     f"ringcoll.wrap Reduce_scatter: sendbuf has {send.size} elements and "
                     f"recvbuf {recv.size}; they must have sum(recvcounts) = {total} and "
                     f"recvcounts[{comm.rank}] = {counts[comm.rank]}")
-        return self._go(blocking, "reduce_scatter", send, op=op, out=recv, counts=counts)
+        return self._call(blocking, "reduce_scatter", send, op=op, out=recv, counts=counts)
 
     @_passes_through("Reduce_scatter")
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
@@ -541,7 +541,7 @@ class MPICompat:
         _check_op(op)
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
         send = recv if _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
-        return self._go(blocking, method, send, op=op, out=recv)
+        return self._call(blocking, method, send, op=op, out=recv)
 
     @_passes_through("Scan")
     def Scan(self, sendbuf, recvbuf, op=MPI.SUM):
@@ -564,7 +564,7 @@ class MPICompat:
         x = _bytes(_elements(buf, "buf"))
         if self.ringcoll.rank != root:
             _writeable(x, "buf")
-        return self._go(blocking, "broadcast", x, root=root)
+        return self._call(blocking, "broadcast", x, root=root)
 
     @_passes_through("Bcast")
     def Bcast(self, buf, root=0):
@@ -592,7 +592,7 @@ class MPICompat:
             send = flat[displs[root]:displs[root] + counts[root]].copy()
         else:
             send = _bytes(_elements(sendbuf, "sendbuf"))
-        return self._go(blocking, "gather", send, root=root, out=recv, counts=counts,
+        return self._call(blocking, "gather", send, root=root, out=recv, counts=counts,
                         finish=place)
 
     @_passes_through("Gather")
@@ -629,7 +629,7 @@ class MPICompat:
             recv = send[start:start + counts[root]]  # (a no-op copy, or into a packed copy)
         else:
             recv = _bytes(_writeable(_elements(recvbuf, "recvbuf"), "recvbuf"))
-        return self._go(blocking, "scatter", send, root=root, counts=counts, out=recv)
+        return self._call(blocking, "scatter", send, root=root, counts=counts, out=recv)
 
     @_passes_through("Scatter")
     def Scatter(self, sendbuf, recvbuf, root=0):
@@ -663,7 +663,7 @@ class MPICompat:
             send = flat[displs[rank]:displs[rank] + counts[rank]].copy()
         else:
             send = _bytes(_elements(sendbuf, "sendbuf"))
-        return self._go(blocking, "allgather", send, out=recv, counts=counts, finish=place)
+        return self._call(blocking, "allgather", send, out=recv, counts=counts, finish=place)
 
     @_passes_through("Allgather")
     def Allgather(self, sendbuf, recvbuf):
@@ -689,7 +689,7 @@ class MPICompat:
             raise InvalidArgumentError(
                 f"ringcoll.wrap Alltoall: sendbuf has {send.size} bytes and recvbuf "
                 f"{recv.size}; both must hold size ({p}) equal blocks of the same size")
-        return self._go(blocking, "alltoall", send.reshape(p, -1), out=recv.reshape(p, -1))
+        return self._call(blocking, "alltoall", send.reshape(p, -1), out=recv.reshape(p, -1))
 
     @_passes_through("Alltoall")
     def Alltoall(self, sendbuf, recvbuf):
@@ -709,7 +709,7 @@ class MPICompat:
             sflat, scounts, sdispls = _byte_vector(sendbuf, p, "sendbuf")
             send = _packed(sflat, scounts, sdispls)
         recv, place = _unpacked(flat, rcounts, rdispls)
-        return self._go(blocking, "alltoallv", send, scounts, out=recv, recv_counts=rcounts,
+        return self._call(blocking, "alltoallv", send, scounts, out=recv, recv_counts=rcounts,
                         finish=place)
 
     @_passes_through("Alltoallv")

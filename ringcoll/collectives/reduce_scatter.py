@@ -36,6 +36,9 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
     src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
     if name == "native":
         native.check(t, x.dtype, ctx)
+    # uneven blocks the caller chose travel in the neighbour check (None: the default split)
+    blocks = (None if counts is None or counts == Partition.even(x.shape[0], size).counts
+              else counts)
     # avg: the division in the last ring step
     fused = op.name == "avg" and name != "native" and op.fuses_finish(x.dtype, size)
 
@@ -43,7 +46,7 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
         if name == "native":
             t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
         else:
-            checks.neighbour_check(t, "reduce_scatter", src.size, src.dtype, op.name)
+            checks.neighbour_check(t, "reduce_scatter", src.size, src.dtype, op.name, blocks)
             # The last step reduces straight into dst; work carries the partial sums of
             # the other blocks, of which there are none at p = 2 (unless avg prescales).
             prescales = op.prescales(src.dtype, size)
@@ -57,6 +60,5 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
         return out
 
     # debug mode compares the counts too; counts equal to the default split are the default
-    more = ({"counts": _args.counts_field(counts)} if g.options.debug and counts is not None
-            and counts != Partition.even(x.shape[0], size).counts else {})
+    more = {"counts": _args.counts_field(blocks)} if g.options.debug and blocks else {}
     return Plan(NAME, name, _args.fields(g, side, op, x, **more), _args.on_side(run, side))
