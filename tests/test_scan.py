@@ -282,6 +282,14 @@ def test_debug_mode_agrees():
                                                          for i in range(4)]
 
 
+def test_debug_mode_names_a_mismatch():
+    mismatch = ringcoll.CollectiveMismatchError
+    expect_error_on_every_rank(3, lambda c: c.scan(np.ones(2), op="sum" if c.rank else "max"),
+                               mismatch, "op differ", debug=True)
+    expect_error_on_every_rank(3, lambda c: (c.exscan if c.rank == 1 else c.scan)(np.ones(2)),
+                               mismatch, "collective differ", debug=True)
+
+
 @pytest.mark.parametrize("name", ["scan", "exscan"])
 def test_errors(name):
     def c(comm, *args, **kw):
