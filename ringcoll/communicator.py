@@ -295,6 +295,63 @@ class Communicator:
         return self._runner.run(self._runner.plan(collectives.reduce, x, op, root, out,
                                                   algorithm))
 
+    def scan(self, x, op="sum", out=None, algorithm=None):
+        """Inclusive prefix reduction: rank r gets op(x_0, x_1, ..., x_r).
+
+        The data are combined in rank order, lower ranks first (as MPI_Scan does), so float
+        results are deterministic; integer results equal MPI_Scan's exactly. Recursive
+        doubling: at step k every rank exchanges its block's partial reduction with rank
+        r ^ 2^k (if that rank exists) and folds in what comes from below; ceil(log2 p)
+        (a + n b + 2 n g) at most, one message of x's size per step.
+
+        Args:
+            x (np.ndarray): this rank's contribution, any shape; same shape, dtype and memory
+                layout (C or F) on every rank.
+            op (str or MPI.Op): "sum", "prod", "max" or "min" (or MPI.SUM, ...). "avg" is
+                refused: each rank's result covers a different number of ranks; scan with
+                "sum" and divide by comm.rank + 1.
+            out (np.ndarray): where to write the result; out=x scans in place.
+            algorithm (str): "recursive_doubling" (also "auto").
+
+        Returns:
+            np.ndarray: this rank's prefix (out if given). On one rank: a copy of x (x itself
+            for out=x).
+
+        Example::
+
+            # 4 ranks, x = np.array([rank + 1]): ranks 0..3 get [1], [3], [6], [10]
+            y = comm.scan(np.array([comm.rank + 1]))
+        """
+        return self._runner.run(self._runner.plan(collectives.scan, x, op, out, algorithm))
+
+    def exscan(self, x, op="sum", out=None, algorithm=None):
+        """Exclusive prefix reduction: rank r > 0 gets op(x_0, ..., x_{r-1}); rank 0 None.
+
+        MPI_Exscan leaves rank 0's receive buffer undefined; here rank 0 gets None and its
+        out, if given, is left as it was (it is still checked, as on every rank). Otherwise
+        as scan: rank order, lower ranks first; the same recursive doubling and cost, the
+        first data from below copied instead of reduced.
+
+        Args:
+            x (np.ndarray): this rank's contribution, any shape; same shape, dtype and memory
+                layout (C or F) on every rank (rank 0's x is sent, never written).
+            op (str or MPI.Op): "sum", "prod", "max" or "min" (or MPI.SUM, ...). "avg" is
+                refused: exscan with "sum" and divide by comm.rank (on ranks > 0).
+            out (np.ndarray): where to write the result; out=x scans in place (rank 0's x is
+                then unchanged).
+            algorithm (str): "recursive_doubling" (also "auto").
+
+        Returns:
+            np.ndarray: this rank's prefix (out if given) on ranks > 0; None on rank 0 (and
+            on a single rank).
+
+        Example::
+
+            # 4 ranks, x = np.array([rank + 1]): ranks 0..3 get None, [1], [3], [6]
+            y = comm.exscan(np.array([comm.rank + 1]))
+        """
+        return self._runner.run(self._runner.plan(collectives.exscan, x, op, out, algorithm))
+
     def alltoall(self, x, out=None, algorithm=None):
         """Send block j of x (axis 0 split into size equal blocks) to rank j.
 
@@ -419,6 +476,14 @@ class Communicator:
     def igather(self, x, root=0, out=None, algorithm=None, counts=None):
         """Non-blocking gather: a Request; wait() gives the rows on root, None elsewhere."""
         return self._start(collectives.gather, "igather", x, root, out, algorithm, counts)
+
+    def iscan(self, x, op="sum", out=None, algorithm=None):
+        """Non-blocking scan: a Request; wait() gives this rank's prefix."""
+        return self._start(collectives.scan, "iscan", x, op, out, algorithm)
+
+    def iexscan(self, x, op="sum", out=None, algorithm=None):
+        """Non-blocking exscan: a Request; wait() gives this rank's prefix (None on rank 0)."""
+        return self._start(collectives.exscan, "iexscan", x, op, out, algorithm)
 
     def ibarrier(self, algorithm=None):
         """Non-blocking barrier: a Request; wait() returns once every rank has called

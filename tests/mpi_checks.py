@@ -44,7 +44,8 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
           "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "compat_buffers", "compat_collectives", "trace", "alltoallv"]
+          "errors", "compat", "compat_buffers", "compat_collectives", "trace", "alltoallv",
+          "scan"]
 
 
 class Checker:
@@ -948,6 +949,58 @@ def check_trace(comms, light):
                      f"{want}")
 
 
+def check_scan(comms, light):
+    """scan and exscan against mpi4py's own Scan / Exscan on WORLD of the same arrays (every
+    dtype MPI has, exactly); the half types against NumPy on the inputs. exscan's rank 0 gets
+    None and its out stays as it was."""
+    mpi_ops = {"sum": MPI.SUM, "prod": MPI.PROD, "max": MPI.MAX, "min": MPI.MIN}
+    combos = [(d, op) for d, op in O.COMBOS if op != "avg"]
+    counts = [0, 1, P + 1] if light else [0, 1, P + 1, 1001]
+    slot = 0
+    for cname in ("world",) if light else ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for dtype, op in combos:
+            for n in counts:
+                slot += 1
+                shape = (n,) if slot % 5 else (n, 2)
+                seed = 70_000 + slot
+                x = O.make_input(seed, RANK, shape, dtype, op)
+                before = x.copy()
+                native = dtype not in O.HALF_DTYPES
+                for name in ("scan", "exscan"):
+                    mode = (slot + (name == "exscan")) % 3  # 0: none, 1: out=, 2: in place
+                    label = f"{cname} {name} {shape} {dtype} {op} mode {mode}"
+                    mine = x.copy() if mode == 2 else x
+                    out = {0: None, 1: np.full(shape, 7, dtype), 2: mine}[mode]
+                    kept = None if out is None else out.copy()
+                    y = CK.attempt(label, lambda: getattr(comm, name)(
+                        mine, op=mpi_ops[op] if slot % 2 else op, out=out))
+                    if native:  # MPI's own call on the same input
+                        ref = np.zeros_like(x)
+                        getattr(WORLD, "Scan" if name == "scan" else "Exscan")(
+                            x, ref, op=mpi_ops[op])
+                    upto = RANK + 1 if name == "scan" else RANK
+                    if upto == 0:  # exscan's rank 0
+                        CK.check(y is None, f"{label}: rank 0 got {y!r}, not None")
+                        CK.check(out is None or out.tobytes() == kept.tobytes(),
+                                 f"{label}: rank 0's out was written")
+                        continue
+                    if not native:
+                        ref = O.reduce_oracle([O.make_input(seed, r, shape, dtype, op)
+                                               for r in range(upto)], op, dtype)
+                    CK.check(y is not None and y.dtype == dtype and y.shape == x.shape
+                             and y.tobytes() == ref.tobytes(), f"{label}: differs from "
+                             f"{'MPI_' + name.capitalize() if native else 'NumPy'}")
+                    CK.check(out is None or y is out, f"{label}: out not returned")
+                CK.check(x.tobytes() == before.tobytes(), f"{cname} {shape} {dtype}: x modified")
+    # op='avg' is refused on every rank, before any message
+    CK.raises("scan avg", ringcoll.InvalidArgumentError,
+              lambda: comms["world"].scan(np.ones(3), op="avg"), "no prefix meaning")
+    y = CK.attempt("exscan 0-d", lambda: comms["world"].exscan(np.int64(RANK + 1)))
+    CK.check(y is None if RANK == 0 else (y is not None and int(y) == RANK * (RANK + 1) // 2),
+             f"exscan 0-d: {y!r}")
+
+
 # ---------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser()
@@ -992,6 +1045,7 @@ def main():
         "compat_collectives": lambda: check_compat_collectives(comms, args.light),
         "trace": lambda: check_trace(comms, args.light),
         "alltoallv": lambda: check_alltoallv(comms, args.light),
+        "scan": lambda: check_scan(comms, args.light),
     }
     times = {}
     for group in groups:

@@ -9,8 +9,8 @@ with the module: runner.plan(m, *args), then runner.run(plan). Shared argument h
 _args.py. The registry below lists every collective.
 """
 
-from . import (allgather, allreduce, alltoall, alltoallv, barrier, broadcast, gather, reduce,
-               reduce_scatter)
+from . import (allgather, allreduce, alltoall, alltoallv, barrier, broadcast, exscan, gather,
+               reduce, reduce_scatter, scan)
 
 #: name -> module, one line per collective
 COLLECTIVES = {
@@ -23,4 +23,6 @@ COLLECTIVES = {
     alltoallv.NAME: alltoallv,
     barrier.NAME: barrier,
     gather.NAME: gather,
+    scan.NAME: scan,
+    exscan.NAME: exscan,
 }

@@ -1,0 +1,47 @@
+"""Scan: the inclusive prefix reduction, rank r gets op(x_0, ..., x_r).
+
+Elementwise like allreduce (x of the same shape, dtype and layout on every rank; out=x in
+place). The algorithm is recursive doubling (algorithms/scan.py: ceil(log2 p) exchanges of
+the whole x). exscan.py is the exclusive form and shares build() below.
+"""
+
+from ..algorithms import scan as prefix
+from ..errors import InvalidArgumentError
+from ..ops import get_op
+from ..runner import Plan
+from . import _args
+
+NAME = "scan"
+ALGORITHMS = ("recursive_doubling",)
+
+
+def plan(g, ctx, x, op, out, algorithm):
+    return build(g, ctx, NAME, x, op, out, algorithm, exclusive=False)
+
+
+def build(g, ctx, name, x, op, out, algorithm, exclusive):
+    """The Plan of scan (exclusive=False) or exscan (True) under the collective name `name`."""
+    if get_op(op, ctx).name == "avg":  # before the dtype check: avg is refused for every dtype
+        count = "comm.rank" if exclusive else "comm.rank + 1"  # the ranks a result covers
+        raise InvalidArgumentError(
+            f"{ctx}op 'avg' has no prefix meaning: each rank's result covers a different "
+            f"number of ranks; use op='sum' and divide the result by {count}")
+    x, op, combine, side = _args.reduction(g, x, op, ctx)
+    algo = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    t, ws = side.t, side.ws
+    gets_none = exclusive and g.rank == 0  # MPI leaves it undefined: we leave out as it was
+    copy_out = None
+    if gets_none and out is None:
+        src, dst = _args.send_view(x, side), None  # nothing to allocate: it is never written
+    else:  # out checked on every rank alike, exscan's rank 0 included
+        out, src, dst, copy_out = _args.elementwise(x, out, ctx, side)
+
+    def run():
+        prefix.scan(t, src, dst, combine, ws, exclusive)
+        if gets_none:
+            return None
+        if copy_out is not None:
+            copy_out()
+        return out
+
+    return Plan(name, algo, _args.fields(g, side, op, x), _args.on_side(run, side))
