@@ -41,6 +41,7 @@ class Tag(IntEnum):
     FINGERPRINT = 15  # debug mode's exchange of every rank's call before each collective
     P2P = 16  # the user's point-to-point messages: user tag u is wire tag p2p_tag(u)
     GATHER = 17
+    SCATTER = 18
     VIEW_STRIDE = 32
 
 
