@@ -9,7 +9,8 @@ with the module: runner.plan(m, *args), then runner.run(plan). Shared argument h
 _args.py. The registry below lists every collective.
 """
 
-from . import allgather, allreduce, alltoall, barrier, broadcast, gather, reduce, reduce_scatter
+from . import (allgather, allreduce, alltoall, barrier, broadcast, gather, reduce, reduce_scatter,
+               scatter)
 
 #: name -> module, one line per collective
 COLLECTIVES = {
@@ -21,4 +22,5 @@ COLLECTIVES = {
     alltoall.NAME: alltoall,
     barrier.NAME: barrier,
     gather.NAME: gather,
+    scatter.NAME: scatter,
 }
