@@ -256,4 +256,4 @@ def _refusal(header, rank, root, out, own, ctx):
     why = "; ".join(f"rank(s) {[r for r in range(p) if verdict[r] == code]} {text}"
                     for code, text in said.items() if code in verdict)
     return checks.agreed(PeerFailedError(
-        f"{ctx}{why}, so no rank runs this scatter"))
+        f"{ctx}{why}, so no rank runs this scatter (their own errors say what to pass)"))
