@@ -66,7 +66,7 @@ def plan(g, ctx, x, root, counts, out, algorithm):
 
     src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
     if g.rank == root:
-        rows, (code, own) = _root_verdict(x, given, counts, out, p, root, ctx)
+        rows, (code, own) = _root_verdict(x, given, counts, out, p, root)
         src = x.reshape(-1)
 
         def judge(meta):
@@ -75,9 +75,10 @@ def plan(g, ctx, x, root, counts, out, algorithm):
     def run():
         ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7 (tree)"
         header = _agree(g, mine, root, judge)
-        if header[:p].any():
-            raise _refusal(header, g.rank, root, out, own, ctx)
-        block = (int(header[p + g.rank]),)
+        verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
+        if verdicts.any():
+            raise _refusal(header, p, g.rank, root, out, own, ctx)
+        block = (int(rows[g.rank]),)
         if g.rank == root:
             dtype, block = x.dtype, block + x.shape[1:]
         elif out is not None:
@@ -87,7 +88,7 @@ def plan(g, ctx, x, root, counts, out, algorithm):
             block += trail
         result = out if out is not None else side.xp.empty(block, dtype)
         dst, copy_to = _args.rows_target(result)
-        part = Partition([int(c) * int(header[2 * p]) for c in header[p:2 * p]])
+        part = Partition([int(c) * int(row_elems) for c in rows])
         tree.scatter(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
         return result
@@ -96,6 +97,17 @@ def plan(g, ctx, x, root, counts, out, algorithm):
     # blocks live may differ too (a GPU root, host non-roots), so no memory field either
     fields = _args.fields(g, None, root=root)
     return Plan(NAME, "tree", fields, _args.on_side(run, side))
+
+
+def _header_size(p):
+    return 2 * p + 4 + SLOTS
+
+
+def _parts(header, p):
+    """Views of root's header: (a verdict per rank, rows per rank, (elements in a row,
+    trailing ndim), root's dtype spelled in NAME_BYTES, its trailing shape in SLOTS words)."""
+    return (header[:p], header[p:2 * p], header[2 * p:2 * p + 2], header[2 * p + 2:2 * p + 4],
+            header[2 * p + 4:])
 
 
 def _layout(dtype, trail):
@@ -135,29 +147,28 @@ def _counts(counts, nrows, p):
     return rows, None
 
 
-def _root_verdict(x, given, counts, out, p, root, ctx):
-    """(the row counts or None, (root's own verdict, its message)): root's own arguments,
-    judged before any message but raised only after telling every rank."""
+def _root_verdict(x, given, counts, out, p, root):
+    """(the row counts or None, (root's own verdict, what to tell its caller)): root's own
+    arguments, judged before any message but raised only once every rank knows."""
     rows, problem = _counts(counts, x.shape[0], p)
     if rows is None:
-        return None, (BAD_COUNTS, InvalidArgumentError(
-            f"{ctx}{problem}; pass counts=None (np.array_split's sizes) or {p} non-negative "
-            f"ints, one per rank, that add up to x.shape[0] ({x.shape[0]})"))
+        return None, (BAD_COUNTS, f"{problem}; pass counts=None (np.array_split's sizes) or "
+                      f"{p} non-negative ints, one per rank, that add up to x.shape[0] "
+                      f"({x.shape[0]})")
     if out is None:
         return rows, (OK, None)
     lo, hi = sum(rows[:root]), sum(rows[:root + 1])
     block = (rows[root],) + x.shape[1:]
     if out.shape[0] != rows[root]:
-        return rows, (ROWS, InvalidArgumentError(
-            f"{ctx}out has shape {out.shape}, but the root's block has {rows[root]} rows "
-            f"(counts {rows}); pass out of shape {block}, x[{lo}:{hi}] for in place, or "
-            "out=None"))
+        return rows, (ROWS, f"out has shape {out.shape}, but the root's block has "
+                      f"{rows[root]} rows (counts {rows}); pass out of shape {block}, "
+                      f"x[{lo}:{hi}] for in place, or out=None")
     xp = array_module(out)
     if (hasattr(given, "shape") and xp.may_share_memory(given, out)
             and xp.shares_memory(given, out) and not _is_view(out, given, lo, hi)):
-        return rows, (OVERLAP, InvalidArgumentError(
-            f"{ctx}out overlaps x without being the root's own block x[{lo}:{hi}]; pass "
-            f"out=x[{lo}:{hi}] for in place, or a separate buffer"))
+        return rows, (OVERLAP, f"out overlaps x without being the root's own block "
+                      f"x[{lo}:{hi}]; pass out=x[{lo}:{hi}] for in place, or a separate "
+                      "buffer")
     return rows, (OK, None)
 
 
@@ -180,7 +191,7 @@ def _agree(g, mine, root, judge):
     meta = np.empty((p, RECORD), dtype=np.int64) if judge is not None else None
     part = g.host.ws.partition(RECORD * p, p)
     tree.gather(g.t, mine, None if meta is None else meta.reshape(-1), part, root, g.host.ws)
-    header = judge(meta) if judge is not None else np.empty(2 * p + 4 + SLOTS, np.int64)
+    header = judge(meta) if judge is not None else np.empty(_header_size(p), np.int64)
     tree.broadcast(g.t, header, root, g.host.ws)  # host numbers, over the host transport
     return header
 
@@ -188,63 +199,64 @@ def _agree(g, mine, root, judge):
 def _judge(meta, x, rows, own, p, root):
     """Root's header: [verdict per rank | rows per rank | row elements, trailing ndim,
     dtype (2 words), trailing shape (SLOTS words)]."""
-    header = np.zeros(2 * p + 4 + SLOTS, dtype=np.int64)
+    header = np.zeros(_header_size(p), dtype=np.int64)
+    verdicts, counts, sizes, name, shape = _parts(header, p)
     trail, spelled = x.shape[1:], _spell(x.dtype)
     describable = spelled is not None and len(trail) <= SLOTS
-    header[root] = own
+    verdicts[root] = own
     if rows is not None:  # with bad counts, no other rank's out can be judged
-        header[p:2 * p] = rows
+        counts[:] = rows
         layout = _layout(x.dtype, trail)
         for r in range(p):
             has_out, out_rows, out_layout = meta[r]
             if r == root:
                 continue
             if has_out and out_layout != layout:
-                header[r] = LAYOUT
+                verdicts[r] = LAYOUT
             elif has_out and out_rows != rows[r]:
-                header[r] = ROWS
+                verdicts[r] = ROWS
             elif not has_out and not describable:
-                header[r] = NEEDS_OUT
-    header[2 * p:2 * p + 2] = _args.row_elems(x), len(trail)
+                verdicts[r] = NEEDS_OUT
+    sizes[:] = _args.row_elems(x), len(trail)
     if spelled is not None:
-        header[2 * p + 2:2 * p + 4] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
+        name[:] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
     if len(trail) <= SLOTS:
-        header[2 * p + 4:2 * p + 4 + len(trail)] = trail
+        shape[:len(trail)] = trail
     return header
 
 
 def _root_rows(header, p):
     """(root's dtype or None, its trailing shape or None), as the header describes them."""
-    raw = header[2 * p + 2:2 * p + 4].tobytes().rstrip(b"\0")
-    ndim = int(header[2 * p + 1])
-    trail = tuple(int(d) for d in header[2 * p + 4:2 * p + 4 + ndim]) if ndim <= SLOTS else None
+    _, _, (_, ndim), name, shape = _parts(header, p)
+    raw = name.tobytes().rstrip(b"\0")
+    trail = tuple(int(d) for d in shape[:ndim]) if ndim <= SLOTS else None
     return (np.dtype(raw.decode()) if raw else None), trail
 
 
-def _refusal(header, rank, root, out, own, ctx):
+def _refusal(header, p, rank, root, out, own, ctx):
     """The error every rank raises alike when some verdict is not OK: the offending rank
     its own, the others PeerFailedError naming who and why."""
-    p = (len(header) - 4 - SLOTS) // 2
-    verdict = [int(v) for v in header[:p]]
+    verdicts, counts, (_, ndim), _, _ = _parts(header, p)
+    verdict = [int(v) for v in verdicts]
     mine = verdict[rank]
     if mine and rank == root:
-        return checks.agreed(own)
+        return checks.agreed(InvalidArgumentError(f"{ctx}{own}"))
     dtype, trail = _root_rows(header, p)
     if mine == LAYOUT:
-        rows = (f"{dtype} rows of shape {trail}" if dtype is not None and trail is not None
-                else "rows of another dtype or trailing shape")
+        theirs = (f"{dtype} rows of shape {trail}" if dtype is not None and trail is not None
+                  else "rows of another dtype or trailing shape")
         return checks.agreed(CollectiveMismatchError(
             f"{ctx}out has dtype {out.dtype} and rows of shape {out.shape[1:]}, but root "
-            f"{root} scatters {rows}; pass out of root's dtype and row shape, or out=None"))
+            f"{root} scatters {theirs}; pass out of root's dtype and row shape, or out=None"))
     if mine == ROWS:
-        want = int(header[p + rank])
+        want = int(counts[rank])
         return checks.agreed(InvalidArgumentError(
             f"{ctx}out has shape {out.shape}, but this rank's block has {want} rows (root "
-            f"{root}'s counts: {[int(c) for c in header[p:2 * p]]}); pass out of shape "
+            f"{root}'s counts: {[int(c) for c in counts]}); pass out of shape "
             f"{(want,) + out.shape[1:]} or out=None"))
     if mine == NEEDS_OUT:
         why = ("a dtype np.dtype() cannot rebuild from its name (structured?)" if dtype is None
-               else f"rows of {int(header[2 * p + 1])} trailing dimensions (over {SLOTS})")
+               else f"rows of {int(ndim)} trailing dimensions (over {SLOTS})")
         return checks.agreed(InvalidArgumentError(
             f"{ctx}root {root} scatters {why}, which the other ranks cannot allocate from "
             "its description; pass out= of this rank's block shape and root's dtype"))
