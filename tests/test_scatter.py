@@ -86,6 +86,33 @@ def test_scatter_every_root(p):
     assert not failures, f"{len(failures)} failure(s):\n" + "\n".join(failures[:20])
 
 
+@pytest.mark.parametrize("p", [3, 6, 9, 13])
+def test_scatter_random_calls(p):
+    """25 calls drawn at random (the same draws on every rank): root, counts with zeros (or
+    None), trailing shape (zero-size rows included), dtype, who passes out=."""
+    rng = np.random.default_rng(p)
+    draws = []
+    for k in range(25):
+        counts = [int(c) for c in rng.integers(0, 4, p) * (rng.random(p) < 0.7)]
+        trail = [(), (3,), (2, 0), (1, 2, 2)][k % 4]
+        draws.append((int(rng.integers(p)), counts if k % 5 else None, sum(counts),
+                      trail, DT[int(rng.integers(len(DT)))], rng.random(p) < 0.5))
+
+    def fn(comm):
+        got = []
+        for k, (root, counts, nrows, trail, dtype, has_out) in enumerate(draws):
+            full = O.make_input(900 + k, root, (nrows,) + trail, dtype)
+            mine = blocks(full, counts, p)[comm.rank]
+            out = np.empty_like(mine) if has_out[comm.rank] else None
+            y = comm.scatter(full if comm.rank == root else None, root, counts, out)
+            got.append((y.tobytes() == mine.tobytes() and y.shape == mine.shape
+                        and y.dtype == dtype and (out is None or y is out)))
+        return got
+
+    for r, got in enumerate(run(p, fn)):
+        assert all(got), f"rank {r}: wrong in calls {[k for k, ok in enumerate(got) if not ok]}"
+
+
 @pytest.mark.parametrize("p", [1, 2, 3, 5, 8])
 def test_scatter_layouts_and_zero_dim(p):
     root = p - 1
