@@ -23,9 +23,10 @@ v - low in one message, then sends each child v + 2^j the part of that message t
 child's subtree, largest subtree first (it has the most rounds ahead of it), and keeps its own
 block. The root sends straight from src, packing only the one child subtree whose ranks wrap
 past p - 1. Blocks may differ in size (part gives every rank's).
-    ceil(log2 p) rounds; cost ceil(log2 p) a + (p-1)/p n b at the root (n: the scattered
-    bytes), which sends each other rank's block exactly once; an inner rank forwards its
-    subtree's blocks but its own.
+    ceil(log2 p) rounds; cost ceil(log2 p) a + (n - c_root) b at the root (n: the scattered
+    bytes, c_root its own block; (p-1)/p n b for even blocks), which sends each other rank's
+    block exactly once; an inner rank forwards its subtree's blocks but its own, which it
+    copies out of the message (a leaf receives straight into dst).
 """
 
 from ..transport import Tag
