@@ -435,6 +435,51 @@ class Communicator:
         return self._runner.run(self._runner.plan(collectives.gather, x, root, out, algorithm,
                                                   counts))
 
+    def scatter(self, x, root=0, counts=None, out=None, algorithm=None):
+        """Split root's x along axis 0 into one block per rank; rank r gets block r.
+
+        counts=None splits like np.array_split(x, size) (the first x.shape[0] % size blocks
+        get one more row); otherwise counts[r] rows go to rank r, as MPI_Scatterv's
+        sendcounts. x and counts matter on root only. Before the data moves, the ranks agree
+        on the call (each rank's out= goes to root, root's verdict and block shapes come
+        back), so a mismatch (a non-root's out of the wrong row count, dtype or trailing
+        shape; a bad counts list on root) raises on every rank alike: InvalidArgumentError or
+        CollectiveMismatchError on the rank at fault, PeerFailedError naming it elsewhere.
+        The data then travels down a binomial tree (gather's mirror image): ceil(log2 p)
+        steps, and the root sends every other rank's rows exactly once.
+
+        Args:
+            x (np.ndarray): on root, the rows to hand out (a 0-d x is one row); ignored (may
+                be None) on the other ranks.
+            root (int): the rank whose x is scattered.
+            counts (sequence of int): on root, the rows of each rank's block: size
+                non-negative ints adding up to x.shape[0]; None for np.array_split's sizes.
+                Ignored on the other ranks.
+            out (np.ndarray): where to write this rank's block, on any rank: counts[rank]
+                rows of root's dtype and trailing shape. On root, out may be its own block
+                viewed in x (x[start:stop]: MPI's IN_PLACE); it must not otherwise overlap x.
+                A non-root without out gets a new array (NumPy; dtype and trailing shape
+                from root); for a structured dtype, or rows of more than 8 trailing
+                dimensions, a non-root must pass out.
+            algorithm (str): "tree" (also "auto").
+
+        Returns:
+            np.ndarray: this rank's block, shape (counts[rank],) + x.shape[1:] in root's
+            dtype (out if given).
+
+        Cost: 2 ceil(log2 p) a for the agreement (a few int64 per rank), plus ceil(log2 p) a
+        + (n - root's block) b at the root for n scattered bytes.
+
+        Example::
+
+            # 3 ranks: rank 0 gets [0, 1], rank 1 [2, 3], rank 2 [4]
+            y = comm.scatter(np.arange(5) if comm.rank == 0 else None, root=0)
+            # explicit counts: rank 0 gets [], rank 1 [0, 1, 2, 3], rank 2 [4]
+            y = comm.scatter(np.arange(5) if comm.rank == 0 else None, counts=[0, 4, 1])
+        """
+        return self._runner.run(self._runner.plan(collectives.scatter, x, root, counts, out,
+                                                  algorithm))
+
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
         self._runner.run(self._runner.plan(collectives.barrier, algorithm))
@@ -476,6 +521,10 @@ class Communicator:
     def igather(self, x, root=0, out=None, algorithm=None, counts=None):
         """Non-blocking gather: a Request; wait() gives the rows on root, None elsewhere."""
         return self._start(collectives.gather, "igather", x, root, out, algorithm, counts)
+
+    def iscatter(self, x, root=0, counts=None, out=None, algorithm=None):
+        """Non-blocking scatter: a Request; wait() gives this rank's block."""
+        return self._start(collectives.scatter, "iscatter", x, root, counts, out, algorithm)
 
     def iscan(self, x, op="sum", out=None, algorithm=None):
         """Non-blocking scan: a Request; wait() gives this rank's prefix."""

@@ -42,10 +42,10 @@ WORLD = MPI.COMM_WORLD
 RANK, P = WORLD.Get_rank(), WORLD.Get_size()
 NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no half types
 
-GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
-          "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "compat_buffers", "compat_collectives", "trace", "alltoallv",
-          "scan"]
+GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
+          "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
+          "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
+          "alltoallv", "scan"]
 
 
 class Checker:
@@ -285,6 +285,64 @@ def check_gather(comms, light):
     y = CK.attempt("0-d", lambda: comms["world"].gather(np.float32(RANK), root=P - 1))
     CK.check((y is None) if RANK != P - 1 else (y is not None and y.tolist() == list(range(P))),
              f"0-d gather: {y}")
+
+
+def check_scatter(comms, light):
+    """comm.scatter against mpi4py's own Scatterv of the same bytes, on every rank: every root,
+    array_split's sizes and uneven counts with zeros, out= given or not, root in place."""
+    roots = sorted({0, P - 1, P // 2}) if light else range(P)
+    uneven = [(r * 7 + 3) % 4 for r in range(P)]
+    big = [1001 if r == P // 2 else 0 for r in range(P)]
+    cases = [(None, 2 * P + 1, (), np.dtype(np.int32), "none"),
+             (uneven, sum(uneven), (2, 3), np.dtype(np.complex64), "out"),
+             (big, 1001, (), np.dtype(np.float64), "in place"),
+             ([0] * P, 0, (2,), np.dtype(np.uint8), "out"),
+             (None, P - 1, (3,), O.HALF_DTYPES[-1], "odd ranks' out"),
+             (uneven, sum(uneven), (), np.dtype(np.int64), "in place, out")]
+    for cname in ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for root in roots:
+            for i, (counts, nrows, trail, dtype, who) in enumerate(cases):
+                rows = counts or [len(b) for b in np.array_split(np.empty(nrows), P)]
+                mine = (rows[RANK],) + trail
+                x = before = None
+                if RANK == root:
+                    x = O.make_input(46_000 + i, root, (nrows,) + trail, dtype)
+                    before = x.tobytes()
+                lo = sum(rows[:RANK])
+                if RANK == root and who.startswith("in place"):
+                    out = x[lo:lo + rows[RANK]]  # MPI's IN_PLACE, as our adapter spells it
+                elif who.endswith("out") and (who != "odd ranks' out" or RANK % 2):
+                    out = np.full(mine, 7, dtype)
+                else:
+                    out = None
+                label = f"{cname} root={root} counts={counts} trail={trail} {dtype} {who}"
+                y = CK.attempt(label, lambda: comm.scatter(x, root=root, counts=counts, out=out))
+                ref = np.empty(mine, dtype)  # mpi4py's own Scatterv, of the bytes
+                item = int(np.prod(trail, dtype=np.int64)) * dtype.itemsize
+                send = None
+                if RANK == root:
+                    send = [x.reshape(-1).view(np.uint8), [c * item for c in rows],
+                            [sum(rows[:q]) * item for q in range(P)], MPI.BYTE]
+                WORLD.Scatterv(send, [ref.reshape(-1).view(np.uint8), MPI.BYTE], root=root)
+                CK.check(y is not None and y.shape == mine and y.dtype == dtype
+                         and y.tobytes() == ref.tobytes(), f"{label}: wrong result")
+                CK.check(out is None or y is out, f"{label}: out not returned")
+                CK.check(x is None or x.tobytes() == before, f"{label}: x changed on root")
+    # mismatches raise on every rank alike (none aborts, none hangs), then the ranks go on
+    comm = comms["world"]
+    x = np.arange(2.0 * P) if RANK == 0 else None
+    exc = (ringcoll.InvalidArgumentError if RANK == 0 else ringcoll.PeerFailedError)
+    CK.raises("bad counts", exc, lambda: comm.scatter(x, counts=[3] * P if RANK == 0 else None),
+              "invalid counts" if RANK else "adds up to")
+    if P > 1:
+        bad = P - 1
+        exc = ringcoll.CollectiveMismatchError if RANK == bad else ringcoll.PeerFailedError
+        CK.raises("out dtype", exc, lambda: comm.scatter(
+            x, out=np.empty(2, np.float32) if RANK == bad else None), f"rank(s) [{bad}]"
+            if RANK != bad else "root 0 scatters float64 rows")
+    y = CK.attempt("after the errors", lambda: comm.scatter(x))
+    CK.check(y is not None and y.tolist() == [2.0 * RANK, 2.0 * RANK + 1], f"after: {y}")
 
 
 def check_broadcast(comms, light):
@@ -1031,6 +1089,7 @@ def main():
         "reduce_scatter": lambda: check_reduce_scatter(comms, args.light),
         "allgather": lambda: check_allgather(comms, args.light),
         "gather": lambda: check_gather(comms, args.light),
+        "scatter": lambda: check_scatter(comms, args.light),
         "broadcast": lambda: check_broadcast(comms, args.light),
         "reduce": lambda: check_reduce(comms, args.light),
         "alltoall": lambda: check_alltoall(comms, args.light),

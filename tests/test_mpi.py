@@ -22,10 +22,10 @@ WORKER = HERE / "mpi_checks.py"
 PS = [1, 2, 3, 4, 5, 8]
 LIGHT = {8}  # 8 busy-polling ranks on a small machine: fewer sizes and roots
 LAUNCH_TIMEOUT = 120  # seconds per mpiexec launch
-GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
-          "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "compat_buffers", "compat_collectives", "trace", "alltoallv",
-          "scan"]
+GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
+          "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
+          "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
+          "alltoallv", "scan"]
 
 
 MPIEXEC = mpirun.MPIEXEC

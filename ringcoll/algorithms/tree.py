@@ -1,4 +1,4 @@
-"""Binomial-tree broadcast, reduce and gather.
+"""Binomial-tree broadcast, reduce, gather and scatter.
 
 Ranks are renumbered relative to the root, v = (rank - root) % p. In the binomial tree rank v's
 parent is v with its lowest set bit cleared, and its children are v + 2^j for every 2^j below
@@ -17,6 +17,16 @@ block, then sends the whole subtree to its parent v - low in one message. Blocks
 in size (part gives every rank's).
     ceil(log2 p) rounds; cost ceil(log2 p) a + (p-1)/p n b at the root (n: the gathered
     bytes), which receives each block exactly once.
+Scatter: gather's mirror image, broadcast's schedule. Rank v receives its whole subtree's
+blocks (relative ranks v .. v + low - 1, in relative order, its own first) from its parent
+v - low in one message, then sends each child v + 2^j the part of that message that is the
+child's subtree, largest subtree first (it has the most rounds ahead of it), and keeps its own
+block. The root sends straight from src, packing only the one child subtree whose ranks wrap
+past p - 1. Blocks may differ in size (part gives every rank's).
+    ceil(log2 p) rounds; cost ceil(log2 p) a + (n - c_root) b at the root (n: the scattered
+    bytes, c_root its own block; (p-1)/p n b for even blocks), which sends each other rank's
+    block exactly once; an inner rank forwards its subtree's blocks but its own, which it
+    copies out of the message (a leaf receives straight into dst).
 """
 
 from ..transport import Tag
@@ -107,3 +117,48 @@ def gather(t, src, dst, part, root, ws):
         dst[:start[end] - start[p - root]] = piece[split:]
     if v:
         t.send(buf if buf is not None else src, (v - low + root) % p, Tag.GATHER)
+
+
+def scatter(t, src, dst, part, root, ws):
+    """dst = root's src[part.slices[rank]] on every rank (src matters on root only).
+
+    dst may be root's own block of src itself (in place): that copy is then a no-op.
+    """
+    p = t.size
+    v = (t.rank - root) % p
+    rel = [part.counts[(u + root) % p] for u in range(p)]  # block sizes in relative order
+    start = [0]
+    for c in rel:
+        start.append(start[-1] + c)  # relative rank u's block is start[u]:start[u + 1]
+    low = v & -v if v else p  # v's lowest set bit: its subtree is v .. top - 1
+    top = min(v + low, p)
+    if v == 0:
+        dst[...] = src[part.slices[root]]
+    elif top - v == 1:  # a leaf: the subtree is its own block, received where it belongs
+        t.recv(dst, (v - low + root) % p, Tag.SCATTER)
+        return
+    else:  # an inner rank: its subtree, in relative order, own block first
+        held = ws.scratch("scatter.subtree", start[top] - start[v], dst.dtype)
+        t.recv(held, (v - low + root) % p, Tag.SCATTER)
+    children = []  # (child, end): the child's subtree is child .. end - 1
+    mask = 1
+    while mask < low and v + mask < p:
+        children.append((v + mask, min(v + 2 * mask, p)))
+        mask <<= 1
+    sends = []
+    for child, end in reversed(children):  # the largest subtree first: it has most to forward
+        peer = (child + root) % p
+        if v:
+            piece = held[start[child] - start[v]:start[end] - start[v]]
+        elif (child + root) // p == (end - 1 + root) // p:  # the root: straight from src when
+            first = part.starts[peer]                      # its ranks do not wrap past p - 1
+            piece = src[first:first + start[end] - start[child]]
+        else:  # relative ranks child .. p - root - 1 (the last ranks), then 0 .. (rank 0 on)
+            piece = ws.scratch("scatter.wrapped", start[end] - start[child], src.dtype)
+            split = start[p - root] - start[child]
+            piece[:split] = src[part.starts[child + root]:]
+            piece[split:] = src[:start[end] - start[p - root]]
+        sends.append(t.isend(piece, peer, Tag.SCATTER))
+    if v:
+        dst[...] = held[:dst.size]  # one local copy: the parent's message held the subtree
+    t.waitall(sends)

@@ -10,7 +10,7 @@ _args.py. The registry below lists every collective.
 """
 
 from . import (allgather, allreduce, alltoall, alltoallv, barrier, broadcast, exscan, gather,
-               reduce, reduce_scatter, scan)
+               reduce, reduce_scatter, scan, scatter)
 
 #: name -> module, one line per collective
 COLLECTIVES = {
@@ -25,4 +25,5 @@ COLLECTIVES = {
     gather.NAME: gather,
     scan.NAME: scan,
     exscan.NAME: exscan,
+    scatter.NAME: scatter,
 }

@@ -44,6 +44,7 @@ class Tag(IntEnum):
     COUNTS = 18  # alltoallv's pairwise exchange of the row counts (and dtype, trailing shape)
     VERDICT = 19  # every rank's verdict on its received counts and out=, before data moves
     SCAN = 20  # scan and exscan's recursive-doubling exchanges
+    SCATTER = 21
     VIEW_STRIDE = 32
 
 

@@ -1,0 +1,271 @@
+"""Scatter: root's x split along axis 0 into one block per rank; rank r gets block r.
+
+counts=None splits like np.array_split (the first x.shape[0] % p blocks get one more row);
+otherwise counts gives every rank's row count, as MPI_Scatterv's sendcounts. x and counts
+matter on root only. Before any data moves the ranks agree on the call, so that a mismatch
+raises on every rank alike instead of hanging one of them:
+
+1. every rank's description of its out= (given or not, its row count, a crc of its dtype and
+   trailing shape) goes up the binomial tree to root (tree.gather, 3 int64 per rank);
+2. root judges them against x and counts and sends every rank the same fixed-size header
+   (tree.broadcast): a verdict per rank, the counts, the row shape and root's dtype spelled
+   in 16 bytes, from which a rank without out= allocates its block;
+3. every rank raises alike if any verdict is not OK, else the data goes down the binomial
+   tree (algorithms/tree.py scatter, gather's mirror image).
+
+Cost: 2 ceil(log2 p) a for the agreement, plus ceil(log2 p) a + (n - c_root) b at the root
+for n scattered bytes ((p-1)/p n b for even blocks): root sends every other block once.
+"""
+
+import operator
+import zlib
+
+import numpy as np
+
+from .. import checks
+from ..algorithms import tree
+from ..arrays import Partition, array_module, is_device, writeable
+from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
+from ..runner import Plan
+from . import _args
+
+NAME = "scatter"
+ALGORITHMS = ("tree",)
+
+RECORD = 3  # a rank's out= as root sees it: (has out, its rows, crc of dtype + row shape)
+SLOTS = 8  # trailing dimensions the header carries; rows of more need out= on non-roots
+NAME_BYTES = 16  # root's dtype, spelled as np.dtype() reads it back
+
+# verdicts, one per rank in the header
+OK, ROWS, LAYOUT, NEEDS_OUT, BAD_COUNTS, OVERLAP = range(6)
+
+
+def plan(g, ctx, x, root, counts, out, algorithm):
+    _args.check_root(g, root, ctx)
+    _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    root, p = int(root), g.size
+    if g.rank == root:
+        if x is None:
+            raise InvalidArgumentError(f"{ctx}x is None on the root; the root passes the rows "
+                                       "to scatter (x is ignored on the other ranks only)")
+        given = x
+        x, side = _args.rows_input(g, x, ctx)
+    else:  # as MPI's sendbuf, x matters on root only: a non-root's block lives where its out does
+        side = g.sides.device(out, ctx) if is_device(out) else g.host
+    if out is not None:
+        _args.same_memory(out, side, ctx)
+        if out.ndim == 0:
+            raise InvalidArgumentError(f"{ctx}out is 0-d; a block is rows of axis 0: pass out "
+                                       "with at least one dimension, or out=None")
+        if g.rank == root:  # all but its row count, which counts decides, is local to root
+            _args.output(out, (out.shape[0],) + x.shape[1:], x.dtype, ctx, side, rows=True)
+        elif not writeable(out):
+            raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
+    mine = np.array([out is not None, -1 if out is None else out.shape[0],
+                     0 if out is None else _layout(out.dtype, out.shape[1:])], dtype=np.int64)
+
+    src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
+    if g.rank == root:
+        rows, (code, own) = _root_verdict(x, given, counts, out, p, root)
+        src = x.reshape(-1)
+
+        def judge(meta):
+            return _judge(meta, x, rows, code, p, root)
+
+    def run():
+        ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7 (tree)"
+        header = _agree(g, mine, root, judge)
+        verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
+        if verdicts.any():
+            raise _refusal(header, p, g.rank, root, out, own, ctx)
+        block = (int(rows[g.rank]),)
+        if g.rank == root:
+            dtype, block = x.dtype, block + x.shape[1:]
+        elif out is not None:
+            dtype, block = out.dtype, block + out.shape[1:]
+        else:
+            dtype, trail = _root_rows(header, p)
+            block += trail
+        result = out if out is not None else side.xp.empty(block, dtype)
+        dst, copy_to = _args.rows_target(result)
+        part = Partition([int(c) * int(row_elems) for c in rows])
+        tree.scatter(side.t, src, dst, part, root, side.ws)
+        _args.copy_rows(dst, copy_to)
+        return result
+
+    # only root knows dtype, shape and counts: the fingerprint has root alone; where the
+    # blocks live may differ too (a GPU root, host non-roots), so no memory field either
+    fields = _args.fields(g, None, root=root)
+    return Plan(NAME, "tree", fields, _args.on_side(run, side))
+
+
+def _header_size(p):
+    return 2 * p + 4 + SLOTS
+
+
+def _parts(header, p):
+    """Views of root's header: (a verdict per rank, rows per rank, (elements in a row,
+    trailing ndim), root's dtype spelled in NAME_BYTES, its trailing shape in SLOTS words)."""
+    return (header[:p], header[p:2 * p], header[2 * p:2 * p + 2], header[2 * p + 2:2 * p + 4],
+            header[2 * p + 4:])
+
+
+def _layout(dtype, trail):
+    """A crc of dtype and row shape, the same in every process (the name tells bfloat16
+    from the plain 2-byte void its descr shows; descr tells structured dtypes apart)."""
+    return zlib.crc32(repr((dtype.name, dtype.descr, tuple(trail))).encode())
+
+
+def _spell(dtype):
+    """dtype in NAME_BYTES that np.dtype() reads back as dtype, or None. .str round-trips
+    bool, 'S' and 'U' and byte order; the name covers bfloat16 (whose .str is '<V2');
+    a structured dtype has neither, so a non-root must pass out= for it."""
+    for text in (dtype.str, dtype.name):
+        raw = text.encode()
+        try:
+            if len(raw) <= NAME_BYTES and np.dtype(text) == dtype:
+                return raw
+        except TypeError:
+            continue
+    return None
+
+
+def _counts(counts, nrows, p):
+    """(every rank's row count, None), or (None, what is wrong with counts)."""
+    if counts is None:
+        return Partition.even(nrows, p).counts, None
+    try:
+        rows = [operator.index(c) for c in counts]
+    except TypeError:
+        return None, f"counts={counts!r} is not a sequence of ints"
+    if len(rows) != p:
+        return None, f"counts has {len(rows)} entries where this communicator has {p} ranks"
+    if min(rows) < 0:
+        return None, f"counts={rows} has a negative entry"
+    if sum(rows) != nrows:
+        return None, f"counts={rows} adds up to {sum(rows)} rows, but x has {nrows}"
+    return rows, None
+
+
+def _root_verdict(x, given, counts, out, p, root):
+    """(the row counts or None, (root's own verdict, what to tell its caller)): root's own
+    arguments, judged before any message but raised only once every rank knows."""
+    rows, problem = _counts(counts, x.shape[0], p)
+    if rows is None:
+        return None, (BAD_COUNTS, f"{problem}; pass counts=None (np.array_split's sizes) or "
+                      f"{p} non-negative ints, one per rank, that add up to x.shape[0] "
+                      f"({x.shape[0]})")
+    if out is None:
+        return rows, (OK, None)
+    lo, hi = sum(rows[:root]), sum(rows[:root + 1])
+    block = (rows[root],) + x.shape[1:]
+    if out.shape[0] != rows[root]:
+        return rows, (ROWS, f"out has shape {out.shape}, but the root's block has "
+                      f"{rows[root]} rows (counts {rows}); pass out of shape {block}, "
+                      f"x[{lo}:{hi}] for in place, or out=None")
+    xp = array_module(out)
+    if (hasattr(given, "shape") and xp.may_share_memory(given, out)
+            and xp.shares_memory(given, out) and not _is_view(out, given, lo, hi)):
+        return rows, (OVERLAP, f"out overlaps x without being the root's own block "
+                      f"x[{lo}:{hi}]; pass out=x[{lo}:{hi}] for in place, or a separate "
+                      "buffer")
+    return rows, (OK, None)
+
+
+def _is_view(out, x, lo, hi):
+    """out is exactly x[lo:hi] (MPI's IN_PLACE on root, as our mpi4py adapter spells it)."""
+    if x.ndim == 0:
+        return False
+    view = x[lo:hi]
+    return (out.shape == view.shape and out.strides == view.strides
+            and _address(out) == _address(view))
+
+
+def _address(a):
+    return a.data.ptr if is_device(a) else a.ctypes.data
+
+
+def _agree(g, mine, root, judge):
+    """The header every rank receives: records up the tree to root, root's verdict down."""
+    p = g.size
+    meta = np.empty((p, RECORD), dtype=np.int64) if judge is not None else None
+    part = g.host.ws.partition(RECORD * p, p)
+    tree.gather(g.t, mine, None if meta is None else meta.reshape(-1), part, root, g.host.ws)
+    header = judge(meta) if judge is not None else np.empty(_header_size(p), np.int64)
+    tree.broadcast(g.t, header, root, g.host.ws)  # host numbers, over the host transport
+    return header
+
+
+def _judge(meta, x, rows, own, p, root):
+    """Root's header: [verdict per rank | rows per rank | row elements, trailing ndim,
+    dtype (2 words), trailing shape (SLOTS words)]."""
+    header = np.zeros(_header_size(p), dtype=np.int64)
+    verdicts, counts, sizes, name, shape = _parts(header, p)
+    trail, spelled = x.shape[1:], _spell(x.dtype)
+    describable = spelled is not None and len(trail) <= SLOTS
+    verdicts[root] = own
+    if rows is not None:  # with bad counts, no other rank's out can be judged
+        counts[:] = rows
+        layout = _layout(x.dtype, trail)
+        for r in range(p):
+            has_out, out_rows, out_layout = meta[r]
+            if r == root:
+                continue
+            if has_out and out_layout != layout:
+                verdicts[r] = LAYOUT
+            elif has_out and out_rows != rows[r]:
+                verdicts[r] = ROWS
+            elif not has_out and not describable:
+                verdicts[r] = NEEDS_OUT
+    sizes[:] = _args.row_elems(x), len(trail)
+    if spelled is not None:
+        name[:] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
+    if len(trail) <= SLOTS:
+        shape[:len(trail)] = trail
+    return header
+
+
+def _root_rows(header, p):
+    """(root's dtype or None, its trailing shape or None), as the header describes them."""
+    _, _, (_, ndim), name, shape = _parts(header, p)
+    raw = name.tobytes().rstrip(b"\0")
+    trail = tuple(int(d) for d in shape[:ndim]) if ndim <= SLOTS else None
+    return (np.dtype(raw.decode()) if raw else None), trail
+
+
+def _refusal(header, p, rank, root, out, own, ctx):
+    """The error every rank raises alike when some verdict is not OK: the offending rank
+    its own, the others PeerFailedError naming who and why."""
+    verdicts, counts, (_, ndim), _, _ = _parts(header, p)
+    verdict = [int(v) for v in verdicts]
+    mine = verdict[rank]
+    if mine and rank == root:
+        return checks.agreed(InvalidArgumentError(f"{ctx}{own}"))
+    dtype, trail = _root_rows(header, p)
+    if mine == LAYOUT:
+        theirs = (f"{dtype} rows of shape {trail}" if dtype is not None and trail is not None
+                  else "rows of another dtype or trailing shape")
+        return checks.agreed(CollectiveMismatchError(
+            f"{ctx}out has dtype {out.dtype} and rows of shape {out.shape[1:]}, but root "
+            f"{root} scatters {theirs}; pass out of root's dtype and row shape, or out=None"))
+    if mine == ROWS:
+        want = int(counts[rank])
+        return checks.agreed(InvalidArgumentError(
+            f"{ctx}out has shape {out.shape}, but this rank's block has {want} rows (root "
+            f"{root}'s counts: {[int(c) for c in counts]}); pass out of shape "
+            f"{(want,) + out.shape[1:]} or out=None"))
+    if mine == NEEDS_OUT:
+        why = ("a dtype np.dtype() cannot rebuild from its name (structured?)" if dtype is None
+               else f"rows of {int(ndim)} trailing dimensions (over {SLOTS})")
+        return checks.agreed(InvalidArgumentError(
+            f"{ctx}root {root} scatters {why}, which the other ranks cannot allocate from "
+            "its description; pass out= of this rank's block shape and root's dtype"))
+    said = {ROWS: "passed out= with another row count than their block's",
+            LAYOUT: f"passed out= whose dtype or row shape differs from root {root}'s x",
+            NEEDS_OUT: "need out= (root's dtype or row shape cannot be described to them)",
+            BAD_COUNTS: "passed an invalid counts list",
+            OVERLAP: "passed out= overlapping x without being root's own block"}
+    why = "; ".join(f"rank(s) {[r for r in range(p) if verdict[r] == code]} {text}"
+                    for code, text in said.items() if code in verdict)
+    return checks.agreed(PeerFailedError(
+        f"{ctx}{why}, so no rank runs this scatter (their own errors say what to pass)"))
