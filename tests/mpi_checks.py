@@ -958,10 +958,23 @@ def check_compat_collectives(comms, light):
     for _, a, b, label in pending:
         CK.check(np.array_equal(a, b), f"{label}: differs from MPI: {a} vs {b}")
     CK.attempt("Ibarrier", lambda: c.Ibarrier().Wait())
-    CK.raises("Gatherv counts that differ from what the ranks send", ValueError,
+    # a root whose recvcounts differ from what the ranks send: every rank raises, the root
+    # the InvalidArgumentError (a ValueError, as mpi4py's), the others PeerFailedError
+    blame = ValueError if RANK == 0 else ringcoll.PeerFailedError
+    CK.raises("Gatherv recvbuf larger than what the ranks send", blame,
               lambda: c.Gatherv(send, [np.zeros(total + P, np.int32),
                                        [n + 1 for n in counts], MPI.INT]
                                 if RANK == 0 else None, root=0))
+    if P > 1:  # the same total, split otherwise
+        shifted = [2] + [1] * (P - 2) + [0]
+        CK.raises("Gatherv recvcounts split otherwise than the ranks send", blame,
+                  lambda: c.Gatherv(np.ones(1, np.int32), [np.zeros(P, np.int32), shifted,
+                                                           MPI.INT] if RANK == 0 else None,
+                                    root=0), match="counts")
+        CK.raises("Allgatherv recvcounts split otherwise than the ranks send on rank 0",
+                  blame, lambda: c.Allgatherv(np.ones(1, np.int32), [
+                      np.zeros(P, np.int32), shifted if RANK == 0 else [1] * P, MPI.INT]),
+                  match="counts")
     c.Free()
 
 
