@@ -193,6 +193,17 @@ class Communicator:
                                  call="iallreduce")
         return self._runner.submit(plan)
 
+    def refuse(self, collective, error):
+        """Raise error, this rank's reason not to run `collective`, as the collectives do
+        with a bad argument: in debug mode the other ranks are told first, so they raise
+        PeerFailedError instead of waiting for this rank. For front-ends that check their own
+        arguments before calling a collective (ringcoll.wrap); an error a collective raised
+        itself has been told already and is simply raised again."""
+        if not getattr(error, "ringcoll_told", False) and not getattr(error, "ringcoll_agreed",
+                                                                        False):
+            self._runner.invalid(error, collective)
+        raise error
+
     def auto_algorithm(self, nbytes, inplace=False):
         """The all-reduce algorithm `auto` runs on this communicator for a buffer of nbytes.
 

@@ -158,7 +158,9 @@ class _PassThrough(Exception):
 
 def _passes_through(name):
     """A method that, where ringcoll cannot do the call, gives it to the wrapped mpi4py
-    communicator's method `name` instead."""
+    communicator's method `name` instead; and whose bad arguments, found here before the
+    Communicator sees them, are refused as the Communicator refuses its own (in debug mode
+    the other ranks hear of it and raise too, instead of waiting)."""
     def decorate(method):
         @functools.wraps(method)
         def adapter(self, *args, **kwargs):
@@ -166,6 +168,8 @@ def _passes_through(name):
                 return method(self, *args, **kwargs)
             except _PassThrough:
                 return getattr(self.mpi_comm, name)(*args, **kwargs)
+            except (InvalidArgumentError, BufferError) as exc:
+                self.ringcoll.refuse(name, exc)
         return adapter
     return decorate
 

@@ -118,6 +118,7 @@ class Runner:
     def invalid(self, exc, collective):
         """This rank's arguments are invalid (exc is about to be raised). In debug mode the
         other ranks are told first, so they raise PeerFailedError instead of waiting."""
+        exc.ringcoll_told = True  # (a front-end's refuse() must not tell them twice)
         if self.g.options.debug and not self.g.closed:
             self.run(Plan(collective, None, {"error": f"{type(exc).__name__}: {exc}"},
                           lambda: None))

@@ -958,6 +958,17 @@ def check_compat_collectives(comms, light):
     for _, a, b, label in pending:
         CK.check(np.array_equal(a, b), f"{label}: differs from MPI: {a} vs {b}")
     CK.attempt("Ibarrier", lambda: c.Ibarrier().Wait())
+    # debug mode: a bad buffer found by wrap() itself on one rank raises on every rank
+    d = CK.attempt("wrap(debug=True)", lambda: ringcoll.wrap(WORLD, debug=True))
+    if d is not None:
+        short = np.zeros(3 * P - (RANK == P - 1), np.int32)
+        CK.raises("debug mode: a short Allgather recvbuf on the last rank",
+                  ValueError if RANK == P - 1 else ringcoll.PeerFailedError,
+                  lambda: d.Allgather(np.zeros(3, np.int32), short))
+        CK.raises("debug mode: a non-contiguous Bcast buffer on rank 0",
+                  BufferError if RANK == 0 else ringcoll.PeerFailedError,
+                  lambda: d.Bcast(np.zeros((4, 4))[:, 1] if RANK == 0 else np.zeros(4)))
+        d.Free()
     # a root whose recvcounts differ from what the ranks send: every rank raises, the root
     # the InvalidArgumentError (a ValueError, as mpi4py's), the others PeerFailedError
     blame = ValueError if RANK == 0 else ringcoll.PeerFailedError
