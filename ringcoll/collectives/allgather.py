@@ -23,20 +23,21 @@ ALGORITHMS = ("ring", "native")
 
 
 def plan(g, ctx, x, out, algorithm):
-    x, side = _args.rows_input(g, x, ctx)
+    x, side = _args.rows_input(g, x, ctx, movable=True)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     if name == "native":
         native.check(side.t, None, ctx)
     if out is not None:  # all but its row count can be checked now; that comes later
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
-    src = x.reshape(-1)
+    src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
 
     def run():
         counts = rows(g, x, out, name)  # host numbers, over the host transport
         part = Partition([r * _args.row_elems(x) for r in counts])
         result = _args.output(out, (sum(counts),) + x.shape[1:], x.dtype, ctx, side, rows=True)
         dst, copy_to = _args.rows_target(result)
+        dst = _args.raw(dst)
         if name == "native":
             side.t.native_allgather(src, dst, part.counts)
         else:
@@ -46,7 +47,7 @@ def plan(g, ctx, x, out, algorithm):
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
-    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]))
+    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
     return Plan(NAME, name, fields, _args.on_side(run, side))
 
 
@@ -57,7 +58,9 @@ def rows(g, x, out, name, collective=NAME):
     The 5 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
     algorithm='native' (so the native baseline pays no ringcoll step).
     """
-    layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
+    # dtype.descr, not dtype.str: two structured dtypes of one size share .str ('|V12') but
+    # not their fields, offsets and padding; the crc is the same in every process
+    layout = zlib.crc32(f"{x.dtype.descr} {x.shape[1:]}".encode())
     out_rows = -1 if out is None else out.shape[0]
     mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows], dtype=np.int64)
     meta = np.empty((g.size, mine.size), dtype=np.int64)
