@@ -219,7 +219,10 @@ def check_root(g, root, ctx):
 
 def as_rows(x):
     """x as C-contiguous rows of axis 0 (a 0-d x becomes one row): blocks are whole rows."""
-    return array_module(x).ascontiguousarray(x.reshape(1) if x.ndim == 0 else x)
+    x = x.reshape(1) if x.ndim == 0 else x
+    if x.dtype.fields is not None and not x.flags.c_contiguous:  # copied with its padding
+        return np.ascontiguousarray(raw(x)).view(x.dtype)  # (CuPy has no structured dtypes)
+    return array_module(x).ascontiguousarray(x)
 
 
 def row_elems(x):
