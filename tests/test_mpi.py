@@ -24,7 +24,7 @@ LIGHT = {8}  # 8 busy-polling ranks on a small machine: fewer sizes and roots
 LAUNCH_TIMEOUT = 120  # seconds per mpiexec launch
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "broadcast",
           "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts", "fortran_out",
-          "errors", "compat", "compat_buffers", "trace"]
+          "errors", "compat", "compat_buffers", "trace", "dtypes"]
 
 
 MPIEXEC = mpirun.MPIEXEC
