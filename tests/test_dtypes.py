@@ -148,10 +148,11 @@ STRUCT_B = np.dtype([("x", "<f8"), ("y", "<i4")])
 @pytest.mark.parametrize("collective", ["allgather", "gather"])
 @pytest.mark.parametrize("p", [2, 3, 8])
 def test_different_structs_of_one_size_raise_on_every_rank(collective, p):
-    assert STRUCT_A.str == STRUCT_B.str and STRUCT_A != STRUCT_B
+    mine, last = STRUCT_A, STRUCT_B
+    assert mine.str == last.str and mine != last
 
     def fn(comm):
-        x = np.zeros(2, STRUCT_B if comm.rank == p - 1 else STRUCT_A)
+        x = np.zeros(2, last if comm.rank == p - 1 else mine)
         return getattr(comm, collective)(x)
 
     expect_error_after_exchange(p, fn, ringcoll.CollectiveMismatchError,
@@ -160,6 +161,18 @@ def test_different_structs_of_one_size_raise_on_every_rank(collective, p):
     errors = expect_error_on_every_rank(p, fn, ringcoll.CollectiveMismatchError, "dtype",
                                         debug=True)
     assert all("('x', '<f8')" in str(e) for e in errors), errors[0]
+
+
+def test_ml_dtypes_of_one_str_are_a_mismatch():
+    """ml_dtypes' float8 kinds share dtype.str '<V1' as well: told apart by their names."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a, b = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2fnuz)
+    assert a.str == b.str and a != b
+
+    def fn(comm):
+        return comm.allgather(np.zeros(3, b if comm.rank == 2 else a))
+
+    expect_error_after_exchange(3, fn, ringcoll.CollectiveMismatchError, "different dtype")
 
 
 def test_same_struct_with_other_padding_is_a_mismatch():

@@ -58,9 +58,11 @@ def rows(g, x, out, name, collective=NAME):
     The 5 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
     algorithm='native' (so the native baseline pays no ringcoll step).
     """
-    # dtype.descr, not dtype.str: two structured dtypes of one size share .str ('|V12') but
-    # not their fields, offsets and padding; the crc is the same in every process
-    layout = zlib.crc32(f"{x.dtype.descr} {x.shape[1:]}".encode())
+    # dtype.str has the byte order; dtype_key tells apart what shares a .str: two structs of
+    # one size ('|V12': by their fields and padding), or ml_dtypes' float8 kinds ('<V1': by
+    # name). The crc is the same in every process.
+    key = f"{x.dtype.str} {_args.dtype_key(x.dtype)} {x.shape[1:]}"
+    layout = zlib.crc32(key.encode())
     out_rows = -1 if out is None else out.shape[0]
     mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows], dtype=np.int64)
     meta = np.empty((g.size, mine.size), dtype=np.int64)
