@@ -1,4 +1,5 @@
-"""Array plumbing: NumPy or CuPy, which dtypes ringcoll reduces, flat views, block partitions.
+"""Array plumbing: NumPy or CuPy, which dtypes ringcoll reduces or moves, flat views, block
+partitions.
 
 Algorithms work on 1-D contiguous views; this module turns the user's arrays into those views
 without copying when it can, and says exactly what is wrong when it cannot. The array module
@@ -37,6 +38,23 @@ def check_dtype(dtype, where):
             "(int8..int64, uint8..uint64, float16/32/64, complex64/128, or bfloat16 "
             "from ml_dtypes)"
         )
+
+
+def check_movable(dtype, where):
+    """Refuse a dtype the data-movement collectives cannot send (broadcast, gather, allgather,
+    alltoall): they copy bytes and do no arithmetic, so any fixed-size dtype travels, bit for
+    bit (bool, bytes, str, void, structured, datetime64, numeric). Refused: object dtypes
+    (their bytes are pointers into this process) and dtypes of no bytes at all."""
+    dtype = np.dtype(dtype)
+    if dtype.hasobject:
+        raise InvalidTypeError(
+            f"{where}dtype {dtype} holds Python object pointers, which cannot be sent; pass a "
+            "fixed-size dtype (numeric, bool, 'S'/'U' strings, datetime64 or a structured "
+            "dtype without object fields)")
+    if dtype.itemsize == 0:
+        raise InvalidTypeError(
+            f"{where}dtype {dtype} has itemsize 0, so its elements have no bytes to send; "
+            "pass a fixed-size dtype of at least one byte")
 
 
 def is_device(x):

@@ -266,7 +266,9 @@ class Communicator:
         """Concatenate every rank's x along axis 0, on every rank.
 
         Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
-        agree (checked: a mismatch raises CollectiveMismatchError on every rank).
+        agree (checked: a mismatch raises CollectiveMismatchError on every rank). Any
+        fixed-size dtype works (numeric, bool, 'S'/'U' strings, void, structured, datetime64):
+        the bytes arrive as they were sent; object dtypes raise InvalidTypeError.
 
         Args:
             x (np.ndarray): this rank's rows (a 0-d x is one row).
@@ -288,6 +290,10 @@ class Communicator:
 
     def broadcast(self, x, root=0, algorithm=None):
         """Copy root's x into x on every rank, in place; returns x.
+
+        x: a contiguous array of the same shape and dtype on every rank. Any fixed-size
+        dtype works (numeric, bool, 'S'/'U' strings, void, structured, datetime64): the bytes
+        arrive as they were sent; object dtypes raise InvalidTypeError.
 
         Example::
 
@@ -366,6 +372,9 @@ class Communicator:
     def alltoall(self, x, out=None, algorithm=None):
         """Send block j of x (axis 0 split into size equal blocks) to rank j.
 
+        Any fixed-size dtype works (numeric, bool, 'S'/'U' strings, void, structured,
+        datetime64): the bytes arrive as they were sent; object dtypes raise InvalidTypeError.
+
         Returns:
             np.ndarray: same shape as x; block i came from rank i.
 
@@ -421,7 +430,9 @@ class Communicator:
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
 
         Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
-        agree (checked: a mismatch raises CollectiveMismatchError on every rank). The data
+        agree (checked: a mismatch raises CollectiveMismatchError on every rank). Any
+        fixed-size dtype works (numeric, bool, 'S'/'U' strings, void, structured, datetime64):
+        the bytes arrive as they were sent; object dtypes raise InvalidTypeError. The data
         travels up a binomial tree (the inverse of broadcast's): ceil(log2 p) steps, and the
         root receives every other rank's rows exactly once.
 

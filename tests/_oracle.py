@@ -199,3 +199,33 @@ def same_bits(got, want):
     size = got.dtype.itemsize
     nan = np.isnan(got.astype(np.float64)) & np.isnan(want.astype(np.float64))
     return bool(np.all((got.view(f"u{size}") == want.view(f"u{size}")) | nan))
+
+
+# -- data movement: the dtypes broadcast, gather, allgather and alltoall take beyond numbers --
+#: a struct with 7 padding bytes after 'a' (align=True): its padding must travel too
+PADDED_STRUCT = np.dtype([("a", "u1"), ("b", "<f8")], align=True)
+MOVABLE_DTYPES = [np.dtype(d) for d in (bool, "S7", "U3", PADDED_STRUCT, "datetime64[ns]",
+                                        "timedelta64[s]", np.complex128, "V5")]
+
+
+def make_bytes(seed, rank, shape, dtype):
+    """Rank `rank`'s input of case `seed` for a data-movement check: random bytes, so every
+    bit (a struct's padding, a NaN's payload, NaT) must arrive as it was. Kept legal where
+    NumPy cares: bools are 0 or 1, 'U' code points are below the surrogates."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    rng = rng_for(seed, rank)
+    if dtype.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dtype.kind == "U":
+        points = rng.integers(32, 0xD800, count * (dtype.itemsize // 4), dtype=np.uint32)
+        return points.view(dtype).reshape(shape)
+    raw = rng.integers(0, 256, count * dtype.itemsize, dtype=np.uint8)
+    return raw.view(dtype).reshape(shape)
+
+
+def concat_bytes(parts, dtype, row_shape):
+    """np.concatenate(parts) along axis 0, byte for byte (NumPy's own concatenate copies a
+    struct field by field and leaves its padding as np.empty found it)."""
+    raw = b"".join(np.ascontiguousarray(a).tobytes() for a in parts)
+    return np.frombuffer(raw, np.dtype(dtype)).reshape((-1,) + tuple(row_shape))

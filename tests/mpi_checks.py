@@ -45,7 +45,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
           "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
           "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
-          "alltoallv", "scan"]
+          "alltoallv", "scan", "dtypes"]
 
 
 class Checker:
@@ -475,6 +475,88 @@ def check_alltoallv(comms, light):
                 if dtype.kind in "iu":
                     CK.check(y is not None and y.tobytes() == ref.tobytes(),
                              f"{label}: integers not exact")
+
+
+def _raw_bytes(a):
+    """a's bytes in C order, a struct's padding included (see tests/test_dtypes.py)."""
+    return (a if a.dtype.fields is None else a.view(f"V{a.dtype.itemsize}")).tobytes()
+
+
+def check_dtypes(comms, light):
+    """broadcast, gather, allgather, alltoall with the non-numeric dtypes (and complex), ringcoll's
+    algorithm and native, on random bytes: every rank rebuilds every input from its seed and
+    checks its result byte for byte against NumPy (tests/_oracle.py make_bytes)."""
+    dtypes = O.MOVABLE_DTYPES + ([O.BFLOAT16] if O.BFLOAT16 is not None else [])
+    rows_shapes = [()] if light else [(), (2, 3)]
+    roots = sorted({0, P - 1})
+
+    def same(label, y, want):
+        CK.check(y is not None and (y.dtype, y.shape) == (want.dtype, want.shape)
+                 and _raw_bytes(y) == _raw_bytes(want), f"{label}: wrong result")
+
+    for cname in ("world",) if light else ("world", "ls2_seg64"):
+        comm = comms[cname]
+        for algo in (None, "native"):
+            for i, (dtype, row) in enumerate((d, s) for d in dtypes for s in rows_shapes):
+                for k in range(2):  # k = 0: uneven rows; k = 1: zero rows on every rank
+                    seed = 80_000 + 10 * i + k
+                    label = f"{cname} {algo} {dtype} row={row} case {k}"
+                    counts = [0 if k else (q * 7 + 3) % 4 for q in range(P)]
+                    xs = [O.make_bytes(seed, q, (counts[q],) + row, dtype) for q in range(P)]
+                    y = CK.attempt(label, lambda: comm.allgather(xs[RANK], algorithm=algo))
+                    same(f"{label} allgather", y, O.concat_bytes(xs, dtype, row))
+                    if y is not None:
+                        CK.identical(f"{label} allgather", y)
+                    per = 1 - k + 1  # rows per block: 2, then 1
+                    a = [O.make_bytes(seed + 1, q, (per * P,) + row, dtype) for q in range(P)]
+                    y = CK.attempt(label, lambda: comm.alltoall(a[RANK], algorithm=algo))
+                    same(f"{label} alltoall", y, O.concat_bytes(
+                        [aq[RANK * per:(RANK + 1) * per] for aq in a], dtype, row))
+                    for root in roots:
+                        want = O.make_bytes(seed + 2 + root, root, (k + 2,) + row, dtype)
+                        # a fresh input, not want.copy(): NumPy copies a struct field by
+                        # field, and the padding bytes the copy leaves would not be want's
+                        b = (O.make_bytes(seed + 2 + root, root, want.shape, dtype)
+                             if RANK == root else np.zeros_like(want))
+                        y = CK.attempt(label, lambda: comm.broadcast(b, root=root,
+                                                                     algorithm=algo))
+                        CK.check(y is b, f"{label} broadcast root={root}: did not return x")
+                        same(f"{label} broadcast root={root}", b, want)
+                        if algo is None:  # gather has ringcoll's tree only
+                            y = CK.attempt(label, lambda: comm.gather(xs[RANK], root=root))
+                            if RANK == root:
+                                same(f"{label} gather root={root}", y,
+                                     O.concat_bytes(xs, dtype, row))
+                            else:
+                                CK.check(y is None, f"{label} gather: a non-root got {y!r}")
+                            # scatter (a struct needs out= off the root) and alltoallv
+                            whole = O.concat_bytes(xs, dtype, row)
+                            y = CK.attempt(label, lambda: comm.scatter(
+                                whole if RANK == root else None, root=root, counts=counts,
+                                out=np.empty((counts[RANK],) + row, dtype)
+                                if dtype.fields is not None else None))
+                            start = sum(counts[:RANK])
+                            same(f"{label} scatter root={root}", y, O.concat_bytes(
+                                [whole[start:start + counts[RANK]]], dtype, row))
+                sends = [[(q + j + k) % 3 for j in range(P)] for q in range(P)]
+                vs = [O.make_bytes(seed + 9, q, (sum(sends[q]),) + row, dtype)
+                      for q in range(P)]
+                y = CK.attempt(label, lambda: comm.alltoallv(vs[RANK], sends[RANK],
+                                                             algorithm=algo))
+                same(f"{label} alltoallv", y, O.concat_bytes(
+                    [vs[q][sum(sends[q][:RANK]):][:sends[q][RANK]] for q in range(P)],
+                    dtype, row))
+            if P > 1:  # two structs of one size (the same dtype.str): every rank raises
+                struct = (np.dtype([("x", "<f8"), ("y", "<i4")]) if RANK == P - 1
+                          else np.dtype([("a", "<i4"), ("b", "<f8")]))
+                CK.raises(f"{cname} {algo} structs differ", ringcoll.CollectiveMismatchError,
+                          lambda: comm.allgather(np.zeros(2, struct), algorithm=algo),
+                          "different dtype")
+            CK.raises(f"{cname} {algo} object", ringcoll.InvalidTypeError,
+                      lambda: comm.allgather(np.array([None, 1]), algorithm=algo),
+                      "fixed-size dtype")
+    y = CK.attempt("after dtypes", lambda: comms["world"].allgather(np.array([RANK])))
+    CK.check(y is not None and y.tolist() == list(range(P)), "communicator usable after")
 
 
 def check_barrier(comms, light, tmpdir):
@@ -1129,6 +1211,7 @@ def main():
         "trace": lambda: check_trace(comms, args.light),
         "alltoallv": lambda: check_alltoallv(comms, args.light),
         "scan": lambda: check_scan(comms, args.light),
+        "dtypes": lambda: check_dtypes(comms, args.light),
     }
     times = {}
     for group in groups:

@@ -906,20 +906,65 @@ BAD_ARRAYS = {
 
 
 @pytest.mark.parametrize("kind", list(BAD_ARRAYS))
-def test_bad_dtype(kind):
+def test_bad_dtype_for_a_reduction(kind):
     calls = [
         lambda c, x: c.allreduce(x),
         lambda c, x: c.reduce_scatter(x),
-        lambda c, x: c.allgather(x),
         lambda c, x: c.reduce(x),
-        lambda c, x: c.alltoall(x),
         lambda c, x: c.iallreduce(x),
     ]
-    if isinstance(BAD_ARRAYS[kind](), np.ndarray):
-        calls.append(lambda c, x: c.broadcast(x))
     for call in calls:
         expect_error_on_every_rank(2, lambda c: call(c, BAD_ARRAYS[kind]()), TypeError,
                                    "not supported")
+
+
+def test_object_dtype_cannot_move():
+    calls = [
+        lambda c, x: c.allgather(x),
+        lambda c, x: c.gather(x),
+        lambda c, x: c.alltoall(x),
+        lambda c, x: c.broadcast(x),
+    ]
+    for call in calls:
+        expect_error_on_every_rank(2, lambda c: call(c, BAD_ARRAYS["object"]()),
+                                   ringcoll.InvalidTypeError, "pass a fixed-size dtype")
+
+
+@pytest.mark.parametrize("kind", [k for k in BAD_ARRAYS if k != "object"])
+def test_data_movement_takes_what_reductions_refuse(kind):
+    """The dtypes the reductions refuse above move as they are: rank r's x is the array
+    rolled by r, repeated p times (so alltoall has p equal blocks)."""
+    p = 3
+    base = np.asarray(BAD_ARRAYS[kind]())
+    inputs = [np.roll(np.tile(base, p), r) for r in range(p)]
+    block = base.size
+
+    def fn(comm):
+        mine = inputs[comm.rank]
+        x = mine.copy() if comm.rank == 1 else np.zeros_like(mine)
+        arg = (lambda a: a.tolist()) if kind == "list_of_str" else (lambda a: a)
+        return (comm.allgather(arg(mine)), comm.gather(arg(mine), root=2),
+                comm.alltoall(arg(mine)), comm.broadcast(x, root=1))
+
+    failures = []
+    for r, (allgathered, gathered, swapped, broadcast) in enumerate(run(p, fn)):
+        expected = {
+            "allgather": np.concatenate(inputs),
+            "gather": np.concatenate(inputs) if r == 2 else None,
+            "alltoall": np.concatenate([x[r * block:(r + 1) * block] for x in inputs]),
+            "broadcast": inputs[1],
+        }
+        got = {"allgather": allgathered, "gather": gathered, "alltoall": swapped,
+               "broadcast": broadcast}
+        for name, want in expected.items():
+            have = got[name]
+            if want is None:
+                if have is not None:
+                    failures.append(f"{kind} {name} rank {r}: expected None, got {have!r}")
+            elif (have.dtype, have.shape, have.tobytes()) != (want.dtype, want.shape,
+                                                                 want.tobytes()):
+                failures.append(f"{kind} {name} rank {r}: {have!r} != {want!r}")
+    check_all(failures)
 
 
 def test_broadcast_needs_an_array():

@@ -2,7 +2,8 @@
 
 These call the transport's native_* methods (MPI_Allreduce and friends on ringcoll's duplicated
 communicator); they exist only on the MPI transport. MPI has no datatype for float16 or
-bfloat16, so those cannot use `native`.
+bfloat16, so those cannot use `native` for a reduction; the data-movement collectives
+(broadcast, allgather, alltoall) send bytes and take any fixed-size dtype.
 """
 
 from ..arrays import HALF_TYPES

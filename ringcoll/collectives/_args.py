@@ -10,24 +10,30 @@ from functools import partial
 
 import numpy as np
 
-from ..arrays import array_module, check_dtype, flat_view, is_device, writeable
+from ..arrays import array_module, check_dtype, check_movable, flat_view, is_device, writeable
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..ops import check_op_dtype, get_op
 
 
-def array_input(g, x, ctx):
-    """(x as an array, its side), dtype checked: a CuPy array stays one."""
+def array_input(g, x, ctx, movable=False):
+    """(x as an array, its side), dtype checked: a CuPy array stays one.
+
+    movable=True is for a collective that only moves data (broadcast, gather, allgather,
+    alltoall): any fixed-size dtype passes (arrays.check_movable), since its bytes travel
+    as they are. Otherwise the dtype must be one ringcoll reduces (arrays.check_dtype).
+    """
+    check = check_movable if movable else check_dtype
     if type(x) is not np.ndarray and is_device(x):
-        check_dtype(x.dtype, ctx)
+        check(x.dtype, ctx)
         return x, g.sides.device(x, ctx)
     x = np.asarray(x)
-    check_dtype(x.dtype, ctx)
+    check(x.dtype, ctx)
     return x, g.host
 
 
-def rows_input(g, x, ctx):
+def rows_input(g, x, ctx, movable=False):
     """array_input, with x as C-contiguous rows of axis 0 (see as_rows)."""
-    x, side = array_input(g, x, ctx)
+    x, side = array_input(g, x, ctx, movable)
     return as_rows(x), side
 
 
@@ -106,9 +112,23 @@ def rows_target(out):
 
 
 def copy_rows(dst, copy_to):
-    """Finish a rows_target: copy the C-ordered result dst into out where it was staged."""
+    """Finish a rows_target: copy the C-ordered result dst into out where it was staged
+    (as raw elements, so a structured dtype's padding bytes are copied too)."""
     if copy_to is not None:
-        copy_to[...] = dst.reshape(copy_to.shape)
+        raw(copy_to)[...] = raw(dst).reshape(copy_to.shape)
+
+
+def raw(buf):
+    """buf as a data-movement algorithm should copy it: a structured dtype viewed as plain
+    void of its itemsize ('V16'), other dtypes as they are (no copy either way).
+
+    NumPy copies a structured array field by field and skips its padding (dst[s] = src
+    leaves dst's padding bytes as they were, garbage in np.empty's memory), so a rank's own
+    block would differ in its padding from the blocks that came as bytes over the transport.
+    A plain void element is copied as its bytes: every byte arrives as it was sent.
+    """
+    dtype = buf.dtype
+    return buf if dtype.fields is None else buf.view(np.dtype((np.void, dtype.itemsize)))
 
 
 def elementwise(x, out, ctx, side):
@@ -159,13 +179,24 @@ def fields(g, side, op=None, x=None, **more):
     if op is not None:
         found["op"] = op.name
     if x is not None:
-        found["dtype"], found["shape"] = x.dtype.name, list(x.shape)
+        found["dtype"], found["shape"] = dtype_key(x.dtype), list(x.shape)
         if x.ndim > 1:  # the order x is sent and reduced in (see elementwise)
             found["layout"] = "F" if x.flags.f_contiguous and not x.flags.c_contiguous else "C"
     found.update(more)
     if side is not None:
         found.update(side.memory())
     return found
+
+
+def dtype_key(dtype):
+    """dtype as debug mode's fingerprint compares it: its name ('float32', 'str96'), or for a
+    structured dtype, whose name ('void128') every struct of that size shares, its fields
+    with their padding (dtype.descr), so two different structs never compare equal. A long
+    descr becomes its crc, to keep the fingerprint within its fixed size."""
+    if dtype.fields is None:
+        return dtype.name
+    descr = str(dtype.descr)
+    return descr if len(descr) <= 64 else f"{dtype.name} crc {zlib.crc32(descr.encode()):08x}"
 
 
 def pick_simple(algorithm, names, ctx):
@@ -219,7 +250,10 @@ def counts_field(values):
 
 def as_rows(x):
     """x as C-contiguous rows of axis 0 (a 0-d x becomes one row): blocks are whole rows."""
-    return array_module(x).ascontiguousarray(x.reshape(1) if x.ndim == 0 else x)
+    x = x.reshape(1) if x.ndim == 0 else x
+    if x.dtype.fields is not None and not x.flags.c_contiguous:  # copied with its padding
+        return np.ascontiguousarray(raw(x)).view(x.dtype)  # (CuPy has no structured dtypes)
+    return array_module(x).ascontiguousarray(x)
 
 
 def row_elems(x):

@@ -23,7 +23,7 @@ ALGORITHMS = ("ring", "native")
 
 
 def plan(g, ctx, x, out, algorithm, counts=None):
-    x, side = _args.rows_input(g, x, ctx)
+    x, side = _args.rows_input(g, x, ctx, movable=True)
     counts = expected_counts(g, counts, ctx)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     if name == "native":
@@ -31,13 +31,14 @@ def plan(g, ctx, x, out, algorithm, counts=None):
     if out is not None:  # all but its row count can be checked now; that comes later
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
-    src = x.reshape(-1)
+    src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
 
     def run():
         got = rows(g, x, out, name, expect=counts)  # host numbers, over the host transport
         part = Partition([r * _args.row_elems(x) for r in got])
         result = _args.output(out, (sum(got),) + x.shape[1:], x.dtype, ctx, side, rows=True)
         dst, copy_to = _args.rows_target(result)
+        dst = _args.raw(dst)
         if name == "native":
             side.t.native_allgather(src, dst, part.counts)
         else:
@@ -47,7 +48,7 @@ def plan(g, ctx, x, out, algorithm, counts=None):
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
-    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]))
+    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
     return Plan(NAME, name, fields, _args.on_side(run, side))
 
 
@@ -82,7 +83,11 @@ def rows(g, x, out, name, collective=NAME, expect=None):
     The 6 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
     algorithm='native' (so the native baseline pays no ringcoll step).
     """
-    layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
+    # dtype.str has the byte order; dtype_key tells apart what shares a .str: two structs of
+    # one size ('|V12': by their fields and padding), or ml_dtypes' float8 kinds ('<V1': by
+    # name). The crc is the same in every process.
+    key = f"{x.dtype.str} {_args.dtype_key(x.dtype)} {x.shape[1:]}"
+    layout = zlib.crc32(key.encode())
     out_rows = -1 if out is None else out.shape[0]
     mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
                      -1 if expect is None else _crc(expect)], dtype=np.int64)

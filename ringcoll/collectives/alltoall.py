@@ -16,7 +16,7 @@ ALGORITHMS = ("pairwise", "native")
 
 
 def plan(g, ctx, x, out, algorithm):
-    x, side = _args.rows_input(g, x, ctx)
+    x, side = _args.rows_input(g, x, ctx, movable=True)
     if x.shape[0] % g.size:
         raise InvalidArgumentError(
             f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the communicator size "
@@ -24,6 +24,7 @@ def plan(g, ctx, x, out, algorithm):
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     out = _args.output(out, x.shape, x.dtype, ctx, side, rows=True)
     src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
+    src, dst = _args.raw(src), _args.raw(dst)  # raw: a struct's padding travels too
     part = side.ws.row_partition(x.shape[0], g.size, _args.row_elems(x))
     if name == "native":
         native.check(side.t, None, ctx)

@@ -48,7 +48,7 @@ FINE, WRONG_RECV_COUNTS, WRONG_OUT = 0, 1, 2
 
 
 def plan(g, ctx, x, counts, out, recv_counts, algorithm):
-    x, side = _args.rows_input(g, x, ctx)
+    x, side = _args.rows_input(g, x, ctx, movable=True)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     counts = _args.counts(counts, g.size, ctx, total=x.shape[0])
     if recv_counts is not None:
@@ -65,13 +65,14 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
     row = _args.row_elems(x)
     send = side.ws.cached(("alltoallv", tuple(counts), row),
                           lambda: Partition([c * row for c in counts]))
-    src = x.reshape(-1)
+    src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
 
     def run():
         got = exchange(g, x, counts, out, recv_counts, name)  # host numbers, host transport
         recv = Partition([c * row for c in got])
         result = _args.output(out, (sum(got),) + x.shape[1:], x.dtype, ctx, side, rows=True)
         dst, copy_to = _args.rows_target(result)
+        dst = _args.raw(dst)
         if name == "native":
             side.t.native_alltoallv(src, send.counts, dst, recv.counts)
         else:
@@ -80,7 +81,7 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
         return result
 
     # axis 0 and the counts differ between ranks: the fingerprint leaves them out
-    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]))
+    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
     return Plan(NAME, name, fields, _args.on_side(run, side))
 
 
@@ -88,7 +89,8 @@ def exchange(g, x, counts, out, recv_counts, name):
     """Steps 1 and 2 of the module docstring: the rows each rank sends this one (in rank
     order), once every rank knows that the call is consistent; else every rank raises."""
     p, r = g.size, g.rank
-    layout = zlib.crc32(f"{x.dtype.str} {x.shape[1:]}".encode())  # same in every process
+    # as allgather.rows: byte order from .str, structs and float8 kinds told apart by dtype_key
+    layout = zlib.crc32(f"{x.dtype.str} {_args.dtype_key(x.dtype)} {x.shape[1:]}".encode())
     checking = int(recv_counts is not None or out is not None)
     mine = np.empty((p, 5), np.int64)  # row j: what rank j gets from this rank
     mine[:, 0] = counts

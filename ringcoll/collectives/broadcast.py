@@ -8,7 +8,7 @@ MPI_Bcast.
 import numpy as np
 
 from ..algorithms import native, tree
-from ..arrays import check_dtype, flat_view, is_device, writeable
+from ..arrays import check_movable, flat_view, is_device, writeable
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..runner import Plan
 from . import _args
@@ -25,7 +25,7 @@ def plan(g, ctx, x, root, algorithm):
     else:
         raise InvalidTypeError(f"{ctx}broadcast works in place and needs a NumPy (or CuPy) "
                                f"array, got {type(x).__name__}")
-    check_dtype(x.dtype, ctx)
+    check_movable(x.dtype, ctx)  # any fixed-size dtype: broadcast only copies bytes
     _args.check_root(g, root, ctx)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     buf = flat_view(x)

@@ -19,7 +19,7 @@ ALGORITHMS = ("tree",)
 
 
 def plan(g, ctx, x, root, out, algorithm, counts=None):
-    x, side = _args.rows_input(g, x, ctx)
+    x, side = _args.rows_input(g, x, ctx, movable=True)
     _args.check_root(g, root, ctx)
     _args.pick_simple(algorithm, ALGORITHMS, ctx)
     is_root = g.rank == root
@@ -28,7 +28,7 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
     if out is not None:  # all but its row count can be checked now; that comes later
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
-    src = x.reshape(-1)
+    src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
 
     def run():
         counts = rows(g, x, out, "ring", collective=NAME, expect=expect)  # host numbers
@@ -38,11 +38,12 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
             result = _args.output(out, (sum(counts),) + x.shape[1:], x.dtype, ctx, side,
                                   rows=True)
             dst, copy_to = _args.rows_target(result)
+            dst = _args.raw(dst)
         tree.gather(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
-    fields = _args.fields(g, side, dtype=x.dtype.name, row_shape=list(x.shape[1:]),
+    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]),
                           root=int(root))
     return Plan(NAME, "tree", fields, _args.on_side(run, side))

@@ -49,7 +49,7 @@ def plan(g, ctx, x, root, counts, out, algorithm):
             raise InvalidArgumentError(f"{ctx}x is None on the root; the root passes the rows "
                                        "to scatter (x is ignored on the other ranks only)")
         given = x
-        x, side = _args.rows_input(g, x, ctx)
+        x, side = _args.rows_input(g, x, ctx, movable=True)
     else:  # as MPI's sendbuf, x matters on root only: a non-root's block lives where its out does
         side = g.sides.device(out, ctx) if is_device(out) else g.host
     if out is not None:
@@ -67,7 +67,7 @@ def plan(g, ctx, x, root, counts, out, algorithm):
     src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
     if g.rank == root:
         rows, (code, own) = _root_verdict(x, given, counts, out, p, root)
-        src = x.reshape(-1)
+        src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
 
         def judge(meta):
             return _judge(meta, x, rows, code, p, root)
@@ -88,6 +88,7 @@ def plan(g, ctx, x, root, counts, out, algorithm):
             block += trail
         result = out if out is not None else side.xp.empty(block, dtype)
         dst, copy_to = _args.rows_target(result)
+        dst = _args.raw(dst)
         part = Partition([int(c) * int(row_elems) for c in rows])
         tree.scatter(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)

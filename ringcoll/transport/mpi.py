@@ -236,21 +236,25 @@ class MPITransport(Transport):
     def native_reduce_scatter(self, sendbuf, recvbuf, counts, op_name):
         self.comm.Reduce_scatter(sendbuf, recvbuf, counts, _OPS[op_name])
 
+    # The data-movement collectives go as bytes, like the point-to-point calls: mpi4py finds
+    # an MPI datatype from a buffer's format and has none for str, bytes, void, structured,
+    # datetime64 or bfloat16 buffers, while a copy needs no datatype. counts are in elements.
     def native_allgather(self, sendbuf, recvbuf, counts):
         if all(c == counts[0] for c in counts):  # MPICH's Allgatherv is far slower here
-            self.comm.Allgather(sendbuf, recvbuf)
+            self.comm.Allgather([sendbuf, BYTE], [recvbuf, BYTE])
         else:
-            self.comm.Allgatherv(sendbuf, [recvbuf, counts])
+            nbytes = [c * recvbuf.itemsize for c in counts]
+            self.comm.Allgatherv([sendbuf, BYTE], [recvbuf, nbytes, BYTE])
 
     def native_bcast(self, buf, root):
-        self.comm.Bcast(buf, root)
+        self.comm.Bcast([buf, BYTE], root)
 
     def native_reduce(self, sendbuf, recvbuf, root, op_name):
         """recvbuf is None except on root; sendbuf is recvbuf for an in-place reduce."""
         self.comm.Reduce(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name], root)
 
     def native_alltoall(self, sendbuf, recvbuf):
-        self.comm.Alltoall(sendbuf, recvbuf)
+        self.comm.Alltoall([sendbuf, BYTE], [recvbuf, BYTE])
 
     def native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
         """MPI_Alltoallv; counts in elements of the buffers' dtype, blocks back to back. The
