@@ -55,7 +55,7 @@ def _spec(spec):
     count = displ = datatype = None
     if len(spec) == 2:
         buf, count = spec
-        if isinstance(count, MPI.Datatype):
+        if _is_datatype(count):
             count, datatype = None, count
     elif len(spec) == 3:
         buf, count, datatype = spec
@@ -79,18 +79,20 @@ def _vector(spec, p, name):
     if isinstance(spec, (list, tuple)):
         if len(spec) == 2:
             buf, counts = spec
-            if isinstance(counts, MPI.Datatype):
+            if _is_datatype(counts):
                 counts, datatype = None, counts
+            elif isinstance(counts, tuple):  # (counts, displs), as mpi4py reads a 2-tuple
+                counts, displs = counts
         elif len(spec) == 3:
             buf, counts, datatype = spec
-        elif len(spec) == 4:
+            if isinstance(counts, tuple):
+                counts, displs = counts
+        elif len(spec) == 4:  # a tuple here is the counts themselves
             buf, counts, displs, datatype = spec
         else:
             raise InvalidArgumentError(f"ringcoll.wrap: a buffer spec has 1 to 4 items, not "
                                        f"{len(spec)}; pass [buf, counts, displs, datatype]")
-        if isinstance(counts, tuple):
-            counts, displs = counts
-    flat = _elements(buf if datatype is None else [buf, datatype], name)
+    flat = _elements(buf if datatype is None else [buf, _datatype(datatype)], name)
     if counts is None:
         counts = [flat.size // p + (flat.size % p > i) for i in range(p)]
     elif isinstance(counts, (int, np.integer)):
@@ -149,6 +151,22 @@ def _unpacked(flat, counts, displs):
     return staging, place
 
 
+def _is_datatype(item):
+    """mpi4py takes an MPI.Datatype or its typecode string ('i', 'd', ...) as a datatype."""
+    return isinstance(item, (MPI.Datatype, str))
+
+
+def _datatype(item):
+    """An MPI.Datatype (a typecode string looked up as mpi4py does), or None."""
+    if isinstance(item, str):
+        try:
+            return MPI._typedict[item]
+        except KeyError:
+            raise InvalidTypeError(f"ringcoll.wrap: {item!r} is no typecode mpi4py knows "
+                                   "(MPI._typedict); pass an MPI.Datatype") from None
+    return item
+
+
 class _PassThrough(Exception):
     """What ringcoll cannot do itself (a derived datatype, a user-defined or MAXLOC/MINLOC
     op): found while reading the arguments, before anything is sent, so the call goes to
@@ -168,18 +186,23 @@ def _passes_through(name):
                 return method(self, *args, **kwargs)
             except _PassThrough:
                 return getattr(self.mpi_comm, name)(*args, **kwargs)
-            except (InvalidArgumentError, BufferError) as exc:
+            except (ValueError, TypeError, BufferError) as exc:  # InvalidArgumentError too
                 self.ringcoll.refuse(name, exc)
         return adapter
     return decorate
 
 
 def _check_op(op):
-    """Raise _PassThrough for an op ringcoll does not implement (user-defined, MAXLOC...)."""
-    if isinstance(op, MPI.Op) and (not op.is_predefined or op in (MPI.MAXLOC, MPI.MINLOC,
-                                                                    MPI.REPLACE, MPI.NO_OP)):
+    """Raise _PassThrough for an MPI.Op ringcoll does not implement: user-defined ones, and
+    every predefined one but SUM, PROD, MAX and MIN (MAXLOC/MINLOC, the logical and bitwise
+    ops, REPLACE, NO_OP). Ops are the same on every rank (MPI requires it), so every rank
+    passes alike."""
+    if isinstance(op, MPI.Op) and not (op.is_predefined and op in _OWN_OPS):
         raise _PassThrough(op)
     return op
+
+
+_OWN_OPS = (MPI.SUM, MPI.PROD, MPI.MAX, MPI.MIN)
 
 
 def _numpy_dtype(datatype, arr):
@@ -191,9 +214,8 @@ def _numpy_dtype(datatype, arr):
     dtype = np.dtype(dtlib.to_numpy_dtype(datatype))
     if dtype.kind == "U":  # MPI.WCHAR: one wchar_t
         dtype = np.dtype(f"<U{max(1, datatype.Get_size() // 4)}")
-    if dtype.itemsize != datatype.Get_size():
-        raise InvalidTypeError(f"ringcoll.wrap: no NumPy dtype has the size of "
-                               f"{datatype.Get_name()}; call the mpi4py communicator for it")
+    if dtype.itemsize != datatype.Get_size() or datatype.Get_extent()[1] != dtype.itemsize:
+        raise _PassThrough(datatype)  # a pair type with a gap (MPI.SHORT_INT...): mpi4py's
     return dtype
 
 
@@ -317,6 +339,7 @@ def _elements(spec, name, blocks=1):
     blocks: for a buffer of one block per rank (Alltoall both sides, the gathered side of
     Allgather and Gather), a spec's count is per block, as in MPI (recvcount: per process)."""
     buf, count, displ, datatype = _spec(spec)
+    datatype = _datatype(datatype)
     if (type(buf) is np.ndarray and buf.ndim == 1 and buf.flags.c_contiguous and count is None
             and not displ and (datatype is None or datatype.is_predefined
                                and np.dtype(dtlib.to_numpy_dtype(datatype)) == buf.dtype)):
@@ -420,7 +443,7 @@ class MPICompat:
         self.mpi_comm = mpi_comm
         self.ringcoll = Communicator(mpi_comm, **options)
         self._options = options
-        self._last_allreduce = (_NOTHING,) * 4  # (sendbuf, recvbuf, op, send view)
+        self._last_allreduce = (_NOTHING,) * 5  # (sendbuf, recvbuf, op, send, recvbuf.shape)
 
     def __getattr__(self, name):  # everything we do not override is the mpi4py communicator's
         return getattr(self.mpi_comm, name)
@@ -439,9 +462,10 @@ class MPICompat:
     # -- reductions -------------------------------------------------------------------------
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         last = self._last_allreduce  # the same buffers and op as last time: no parsing, and
-        if last[0] is sendbuf and last[1] is recvbuf and last[2] is op:  # the core replays
-            self.ringcoll.allreduce(last[3], op=op, out=recvbuf)
-            return
+        if (last[0] is sendbuf and last[1] is recvbuf and last[2] is op  # the core replays;
+                and last[4] == recvbuf.shape and recvbuf.flags.writeable):  # not reshaped
+            self.ringcoll.allreduce(last[3], op=op, out=recvbuf)  # (nor sendbuf: the core
+            return                                                 # checks its own x)
         self._first_allreduce(sendbuf, recvbuf, op)
 
     @_passes_through("Allreduce")
@@ -457,7 +481,7 @@ class MPICompat:
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
         send = recv if _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
         if blocking and recv is recvbuf and (send is sendbuf or sendbuf is MPI.IN_PLACE):
-            self._last_allreduce = (sendbuf, recvbuf, op, send)  # plain arrays: remembered
+            self._last_allreduce = (sendbuf, recvbuf, op, send, recvbuf.shape)  # plain arrays
         if blocking:
             self.ringcoll.allreduce(send, op=op, out=recv)
             return None
@@ -481,11 +505,13 @@ class MPICompat:
     def _reduce_scatter_block(self, blocking, sendbuf, recvbuf, op):
         _check_op(op)
         p = self.ringcoll.size
-        recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
-        if _in_place(sendbuf):  # MPI: recvbuf holds all p blocks; the result is block 0
+        in_place = _in_place(sendbuf)
+        # a count is per block, as MPI's recvcount; in place recvbuf holds all p blocks
+        recv = _writeable(_elements(recvbuf, "recvbuf", p if in_place else 1), "recvbuf")
+        if in_place:  # the result is block 0
             send, recv = recv.copy(), recv[:recv.size // p]
         else:
-            send = _elements(sendbuf, "sendbuf")
+            send = _elements(sendbuf, "sendbuf", p)
         if send.size != p * recv.size:
             raise InvalidArgumentError(
                 f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} elements; it "
@@ -631,6 +657,8 @@ class MPICompat:
         if rank == root and _in_place(recvbuf):  # root's block stays where it is in sendbuf
             start = sum(counts[:root])
             recv = send[start:start + counts[root]]  # (a no-op copy, or into a packed copy)
+            if not getattr(recv.flags, "writeable", True):  # a bytes sendbuf: nothing to write
+                recv = array_module(send).empty(counts[root], np.uint8)
         else:
             recv = _bytes(_writeable(_elements(recvbuf, "recvbuf"), "recvbuf"))
         return self._call(blocking, "scatter", send, root=root, counts=counts, out=recv)

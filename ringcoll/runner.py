@@ -49,11 +49,14 @@ class Replay:
     """A call's arguments and its checked steps. It holds x and out, so their ids cannot be
     reused while it lives: `replay.x is x` proves the very same arrays come back."""
 
-    __slots__ = ("x", "out", "op", "algorithm", "dtype", "current", "steps")
+    __slots__ = ("x", "out", "op", "algorithm", "dtype", "shapes", "current", "steps")
 
     def __init__(self, x, out, op, algorithm, steps, plan):
         self.x, self.out, self.op, self.algorithm = x, out, op, algorithm
         self.dtype, self.steps = x.dtype, steps
+        # an array reshaped in place (x.shape = ...) is the same object with other strides:
+        # the steps bound to its old layout must not run again
+        self.shapes = (x.shape, getattr(out, "shape", None))
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
 
 
@@ -165,12 +168,12 @@ class Runner:
 
     def replay(self, x, out, op, algorithm):
         """Run the last replayable call again if this is the very same call (same x, out, op
-        and algorithm objects, x's dtype unchanged) and return its result; None if it is not
-        (then the caller builds a plan). Nothing is pending when there is a replay (run and
-        submit park it meanwhile), so it cannot overtake a queued call."""
+        and algorithm objects, x's dtype and both shapes unchanged) and return its result;
+        None if it is not (then the caller builds a plan). Nothing is pending when there is a
+        replay (run and submit park it meanwhile), so it cannot overtake a queued call."""
         r = self._replay
         if (r.x is not x or r.out is not out or r.op is not op or r.algorithm is not algorithm
-                or r.dtype is not x.dtype):
+                or r.dtype is not x.dtype or r.shapes != (x.shape, out.shape)):
             return None
         progress = self._progress
         progress.seq += 1  # progress.begin, inlined: this is the small-message hot path

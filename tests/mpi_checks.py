@@ -1040,6 +1040,61 @@ def check_compat_collectives(comms, light):
     for _, a, b, label in pending:
         CK.check(np.array_equal(a, b), f"{label}: differs from MPI: {a} vs {b}")
     CK.attempt("Ibarrier", lambda: c.Ibarrier().Wait())
+    # a review's findings, each against WORLD: a tuple of counts in a 4-item v-spec is the
+    # counts (the displacements are the next item)
+    tcounts, tdispls = tuple([2] * P), [5 * r for r in range(P)]
+    twins(lambda: np.full(5 * P, -1, np.int32),
+          lambda r: c.Allgatherv(np.full(2, RANK, np.int32), [r, tcounts, tdispls, MPI.INT]),
+          lambda r: WORLD.Allgatherv(np.full(2, RANK, np.int32), [r, tcounts, tdispls, MPI.INT]),
+          "Allgatherv [buf, (counts...), displs, type]")
+    # Reduce_scatter_block's count is per block, in place too
+    twins(lambda: np.arange(3 * P, dtype=np.int32) + 100 * RANK,
+          lambda b: c.Reduce_scatter_block(MPI.IN_PLACE, [b, 3, MPI.INT]),
+          lambda b: WORLD.Reduce_scatter_block(MPI.IN_PLACE, [b, 3, MPI.INT]),
+          "Reduce_scatter_block IN_PLACE [buf, count per block, type]")
+    twins(lambda: np.zeros(2, np.int32),
+          lambda r: c.Reduce_scatter_block([np.arange(2 * P, dtype=np.int32), 2, MPI.INT], r),
+          lambda r: WORLD.Reduce_scatter_block([np.arange(2 * P, dtype=np.int32), 2, MPI.INT],
+                                               r), "Reduce_scatter_block [sendbuf, count, type]")
+    # Scatter in place from a read-only (bytes) root buffer
+    source = bytes(range(2 * P))
+    twins(lambda: bytearray(2), lambda r: c.Scatter(source, MPI.IN_PLACE if RANK == 0 else r,
+                                                    root=0),
+          lambda r: WORLD.Scatter(source, MPI.IN_PLACE if RANK == 0 else r, root=0),
+          "Scatter(bytes, IN_PLACE) on root")
+    # the repeated-call path notices a reshape and a read-only recvbuf
+    sa, ra, rb = np.arange(6.0) + RANK, np.zeros(6), np.zeros(6)
+    for k in range(3):
+        if k == 2:
+            sa.shape = ra.shape = rb.shape = (2, 3)
+        CK.attempt(f"repeated Allreduce, reshaped at 2: {k}", lambda: c.Allreduce(sa, ra))
+        WORLD.Allreduce(sa, rb)
+        CK.check(np.array_equal(ra, rb), f"repeated Allreduce, reshaped: {k}: differs from MPI")
+    ra.flags.writeable = False
+    CK.raises("repeated Allreduce into a now read-only recvbuf", ValueError,
+              lambda: c.Allreduce(sa, ra))
+    # predefined ops ringcoll has no kernel for pass through; so do typecode strings and
+    # pair types with a gap
+    for name, op in [("BAND", MPI.BAND), ("BXOR", MPI.BXOR), ("LOR", MPI.LOR)]:
+        twins(lambda: np.zeros(4, np.int32),
+              lambda r: c.Allreduce(np.arange(4, dtype=np.int32) * (RANK + 1), r, op=op),
+              lambda r: WORLD.Allreduce(np.arange(4, dtype=np.int32) * (RANK + 1), r, op=op),
+              f"Allreduce {name} (passed through)")
+    twins(lambda: np.zeros(3, np.int32),
+          lambda r: c.Allreduce([np.arange(3, dtype=np.int32) + RANK, "i"], [r, "i"]),
+          lambda r: WORLD.Allreduce([np.arange(3, dtype=np.int32) + RANK, "i"], [r, "i"]),
+          "Allreduce with typecode 'i'")
+    pair = np.dtype([("v", np.float64), ("i", np.int32)], align=True)
+    def pairs():  # zeros first: the padding bytes are zero in both twins
+        b = np.zeros(2, pair)
+        if RANK == 0:
+            b[:] = (1.5, 7)
+        return b
+
+    twins(pairs,
+          lambda b: c.Bcast([b, MPI.DOUBLE_INT], root=0),
+          lambda b: WORLD.Bcast([b, MPI.DOUBLE_INT], root=0),
+          "Bcast of DOUBLE_INT (a gap in its extent: passed through)")
     # debug mode: a bad buffer found by wrap() itself on one rank raises on every rank
     d = CK.attempt("wrap(debug=True)", lambda: ringcoll.wrap(WORLD, debug=True))
     if d is not None:
