@@ -12,10 +12,13 @@ here.
 
 Every buffer collective of mpi4py's Comm and its non-blocking I-form (returning a Request
 with Wait/Test/wait/test) runs here: Barrier, Bcast, Gather(v), Scatter(v), Allgather(v),
-Alltoall(v), Reduce, Allreduce, Reduce_scatter(_block), Scan, Exscan. What ringcoll cannot
-do passes through to the mpi4py communicator, on every rank alike: derived datatypes,
-user-defined ops and MAXLOC/MINLOC/REPLACE/NO_OP (see _PassThrough); Alltoallw and anything
-else not defined here is simply the wrapped communicator's (__getattr__).
+Alltoall(v), Reduce, Allreduce, Reduce_scatter(_block), Scan, Exscan. Data movement with a
+derived datatype runs here too, its data packed (MPI_Pack) where the datatype is, since MPI
+lets the ranks' datatypes differ as long as their type signatures match. What ringcoll cannot
+do passes through to the mpi4py communicator, on every rank alike: reductions of a derived
+datatype or a pair type, user-defined ops and the predefined ops other than SUM, PROD, MAX
+and MIN (see _PassThrough); Alltoallw and anything else not defined here is simply the
+wrapped communicator's (__getattr__).
 
 Buffers are taken as mpi4py takes them: anything with the buffer protocol (NumPy arrays,
 array.array, bytearray, memoryview; read-only ones where only read), DLPack objects on the CPU,
@@ -69,12 +72,10 @@ def _spec(spec):
     return buf, count, displ or 0, datatype
 
 
-def _vector(spec, p, name):
-    """(the whole buffer as a 1-D view, counts, displacements) of a v-variant spec: buf,
+def _vector_fields(spec):
+    """(buffer, counts, displs, datatype) of a v-variant spec, as mpi4py reads them: buf,
     [buf, datatype], [buf, counts], [buf, (counts, displs)], [buf, counts, datatype],
-    [buf, (counts, displs), datatype] or [buf, counts, displs, datatype], in elements of the
-    datatype, as mpi4py reads them: no counts splits the buffer like np.array_split, an
-    integer count is every block's, an integer displacement is a stride."""
+    [buf, (counts, displs), datatype] or [buf, counts, displs, datatype]."""
     buf, counts, displs, datatype = spec, None, None, None
     if isinstance(spec, (list, tuple)):
         if len(spec) == 2:
@@ -92,15 +93,26 @@ def _vector(spec, p, name):
         else:
             raise InvalidArgumentError(f"ringcoll.wrap: a buffer spec has 1 to 4 items, not "
                                        f"{len(spec)}; pass [buf, counts, displs, datatype]")
-    flat = _elements(buf if datatype is None else [buf, _datatype(datatype)], name)
+    return buf, counts, displs, _datatype(datatype)
+
+
+def _back_to_back(counts):
+    """The displacements of blocks that lie one after the other from the start."""
+    return np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)]).tolist()
+
+
+def _counts_displs(counts, displs, size, p, name):
+    """counts and displs of a v-spec as lists (size: the buffer's elements): no counts splits
+    the buffer like np.array_split, an integer count is every block's, an integer
+    displacement is a stride; checked to fit."""
     if counts is None:
-        counts = [flat.size // p + (flat.size % p > i) for i in range(p)]
+        counts = [size // p + (size % p > i) for i in range(p)]
     elif isinstance(counts, (int, np.integer)):
         counts = [int(counts)] * p
     else:
         counts = [int(c) for c in counts]
     if displs is None:
-        displs = np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)]).tolist()
+        displs = _back_to_back(counts)
     elif isinstance(displs, (int, np.integer)):
         displs = [int(displs) * i for i in range(p)]
     else:
@@ -110,9 +122,18 @@ def _vector(spec, p, name):
                                    f"{len(displs)} displacements; pass one of each per rank "
                                    f"({p})")
     for c, d in zip(counts, displs):
-        if c < 0 or d < 0 or d + c > flat.size:
-            raise InvalidArgumentError(f"ringcoll.wrap: {name} has {flat.size} elements; "
+        if c < 0 or d < 0 or d + c > size:
+            raise InvalidArgumentError(f"ringcoll.wrap: {name} has {size} elements; "
                                        f"count {c} at displacement {d} does not fit")
+    return counts, displs
+
+
+def _vector(spec, p, name):
+    """(the whole buffer as a 1-D view, counts, displacements) of a v-variant spec, in
+    elements of the datatype (_vector_fields, _counts_displs)."""
+    buf, counts, displs, datatype = _vector_fields(spec)
+    flat = _elements(buf if datatype is None else [buf, datatype], name)
+    counts, displs = _counts_displs(counts, displs, flat.size, p, name)
     return flat, counts, displs
 
 
@@ -125,7 +146,7 @@ def _byte_vector(spec, p, name):
 
 def _contiguous(counts, displs):
     """True if the blocks lie one after the other from the start, as the core writes them."""
-    return displs == np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)]).tolist()
+    return displs == _back_to_back(counts)
 
 
 def _packed(flat, counts, displs):
@@ -168,10 +189,12 @@ def _datatype(item):
 
 
 class _PassThrough(Exception):
-    """What ringcoll cannot do itself (a derived datatype, a user-defined or MAXLOC/MINLOC
-    op): found while reading the arguments, before anything is sent, so the call goes to
-    the wrapped mpi4py communicator instead, on every rank alike (the same datatypes and ops
-    on every rank, as MPI requires)."""
+    """What ringcoll cannot do itself (a reduction of a derived datatype or pair type, a
+    user-defined op, an op without a ringcoll kernel): found while reading the arguments,
+    before anything is sent, so the call goes to the wrapped mpi4py communicator instead, on
+    every rank alike (a reduction's datatype and op are the same on every rank, as MPI
+    requires). Data movement never passes through: a derived datatype there is packed
+    (MPICompat._moved), as another rank may describe the same bytes with a basic one."""
 
 
 def _passes_through(name):
@@ -236,6 +259,44 @@ def _array(buf, name):
     raise InvalidTypeError(f"ringcoll.wrap: {name} must be a buffer (a NumPy array, "
                            f"array.array, bytearray, memoryview, ...), not "
                            f"{type(buf).__name__}")
+
+
+def _pack_blocks(buf, datatype, counts, displs, comm, name):
+    """Blocks of a derived datatype (counts[i] elements at displacement displs[i] extents)
+    as bytes, back to back, and a function that writes such bytes back into the blocks.
+
+    MPI_Pack lays the datatype's type map out contiguously: on one machine (homogeneous
+    MPI) these are the very bytes the same values have in basic datatypes, which is what the
+    other ranks send or expect, since MPI requires only the type signatures to match. So a
+    derived datatype on some ranks and a basic one on the others run on ringcoll alike."""
+    raw = _bytes(_array(buf, name).reshape(-1, order="A"))
+    size, extent = datatype.Get_size(), datatype.Get_extent()[1]
+    if extent <= 0:
+        raise _PassThrough(datatype)
+    packed = np.empty(sum(counts) * size, np.uint8)
+    spans, at = [], 0
+    for c, d in zip(counts, displs):
+        start, stop = d * extent, (d + c) * extent
+        if stop > raw.size:
+            raise InvalidArgumentError(f"ringcoll.wrap: {name} has {raw.size} bytes; {c} "
+                                       f"elements of {datatype} at displacement {d} do not fit")
+        if c:
+            datatype.Pack(raw[start:stop], packed[at:at + c * size], 0, comm)
+            spans.append((start, stop, at, c * size))
+        at += c * size
+
+    def unpack():
+        for start, stop, at, n in spans:
+            datatype.Unpack(packed[at:at + n], 0, raw[start:stop], comm)
+    return packed, [c * size for c in counts], unpack
+
+
+def _then(*steps):
+    """One finishing step for a call: each of steps that is not None, in order."""
+    steps = [f for f in steps if f is not None]
+    if len(steps) < 2:
+        return steps[0] if steps else None
+    return lambda: [f() for f in steps] and None
 
 
 class _DLDevice(ctypes.Structure):
@@ -459,6 +520,57 @@ class MPICompat:
             finish()
         return None
 
+    # -- data-movement buffers: bytes, a derived datatype's packed -----------------------------
+    def _moved(self, spec, name, blocks=1):
+        """(a data-movement buffer as bytes, how to finish receiving into it or None). A basic
+        datatype's bytes are the caller's memory itself; a derived one's are packed
+        (_pack_blocks), and unpacked into the caller's buffer by the finishing step."""
+        try:
+            return _bytes(_elements(spec, name, blocks)), None
+        except _PassThrough as exc:
+            datatype = exc.args[0]
+            if not isinstance(datatype, MPI.Datatype):
+                raise
+        buf, count, displ, _ = _spec(spec)
+        if count is None:  # as mpi4py: the whole buffer, in extents
+            count = (_bytes(_array(buf, name).reshape(-1, order="A")).size
+                     // max(1, datatype.Get_extent()[1]) - displ) // blocks
+        packed, _, unpack = _pack_blocks(buf, datatype, [count * blocks], [displ],
+                                         self.mpi_comm, name)
+        return packed, unpack
+
+    def _moved_vector(self, spec, p, name):
+        """_byte_vector, with _moved's finishing step: (bytes, counts, displs, finish)."""
+        try:
+            return (*_byte_vector(spec, p, name), None)
+        except _PassThrough as exc:
+            datatype = exc.args[0]
+            if not isinstance(datatype, MPI.Datatype):
+                raise
+        buf, counts, displs, _ = _vector_fields(spec)
+        extent = max(1, datatype.Get_extent()[1])
+        whole = _bytes(_array(buf, name).reshape(-1, order="A")).size // extent
+        counts, displs = _counts_displs(counts, displs, whole, p, name)
+        packed, counts, unpack = _pack_blocks(buf, datatype, counts, displs, self.mpi_comm,
+                                              name)
+        return packed, counts, _back_to_back(counts), unpack
+
+    def _receiving(self, spec, p, vector, method, name="recvbuf"):
+        """The one-block-per-rank side of a gather, scatter or all-gather: (bytes, counts,
+        displs, finish) in bytes, from a v-spec or from p equal blocks."""
+        if vector:
+            flat, counts, displs, unpack = self._moved_vector(spec, p, name)
+        else:
+            flat, unpack = self._moved(spec, name, p)
+            if flat.size % p:
+                raise InvalidArgumentError(f"ringcoll.wrap {method}: {name} has {flat.size} "
+                                           f"bytes, not a multiple of the size {p}")
+            counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
+        if name == "recvbuf":
+            _writeable(flat if unpack is None else _bytes(_array(_vector_fields(spec)[0],
+                                                                  name)), name)
+        return flat, counts, displs, unpack
+
     # -- reductions -------------------------------------------------------------------------
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         last = self._last_allreduce  # the same buffers and op as last time: no parsing, and
@@ -591,10 +703,12 @@ class MPICompat:
 
     # -- data movement: bytes as they are -----------------------------------------------------
     def _bcast(self, blocking, buf, root):
-        x = _bytes(_elements(buf, "buf"))
-        if self.ringcoll.rank != root:
-            _writeable(x, "buf")
-        return self._call(blocking, "broadcast", x, root=root)
+        x, unpack = self._moved(buf, "buf")
+        if self.ringcoll.rank == root:
+            unpack = None  # root's buffer is only read
+        else:
+            _writeable(_bytes(_array(_spec(buf)[0], "buf")) if unpack else x, "buf")
+        return self._call(blocking, "broadcast", x, root=root, finish=unpack)
 
     @_passes_through("Bcast")
     def Bcast(self, buf, root=0):
@@ -608,22 +722,15 @@ class MPICompat:
         p, rank = self.ringcoll.size, self.ringcoll.rank
         recv = counts = place = None
         if rank == root:  # recvbuf matters on root only, as in MPI
-            if vector:
-                flat, counts, displs = _byte_vector(recvbuf, p, "recvbuf")
-            else:
-                flat = _bytes(_elements(recvbuf, "recvbuf", p))
-                if flat.size % p:
-                    raise InvalidArgumentError(f"ringcoll.wrap Gather: recvbuf has {flat.size} "
-                                               f"bytes, not a multiple of the size {p}")
-                counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
-            _writeable(flat, "recvbuf")
+            flat, counts, displs, unpack = self._receiving(recvbuf, p, vector, "Gather")
             recv, place = _unpacked(flat, counts, displs)
+            place = _then(place, unpack)
         if rank == root and _in_place(sendbuf):  # root's block is in place in recvbuf
             send = flat[displs[root]:displs[root] + counts[root]].copy()
         else:
-            send = _bytes(_elements(sendbuf, "sendbuf"))
+            send = self._moved(sendbuf, "sendbuf")[0]
         return self._call(blocking, "gather", send, root=root, out=recv, counts=counts,
-                        finish=place)
+                          finish=place)
 
     @_passes_through("Gather")
     def Gather(self, sendbuf, recvbuf, root=0):
@@ -643,16 +750,9 @@ class MPICompat:
 
     def _scatter(self, blocking, sendbuf, recvbuf, root, vector):
         p, rank = self.ringcoll.size, self.ringcoll.rank
-        send = counts = None
+        send = counts = unpack = None
         if rank == root:  # sendbuf matters on root only, as in MPI
-            if vector:
-                flat, counts, displs = _byte_vector(sendbuf, p, "sendbuf")
-            else:
-                flat = _bytes(_elements(sendbuf, "sendbuf", p))
-                if flat.size % p:
-                    raise InvalidArgumentError(f"ringcoll.wrap Scatter: sendbuf has {flat.size} "
-                                               f"bytes, not a multiple of the size {p}")
-                counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
+            flat, counts, displs, _ = self._receiving(sendbuf, p, vector, "Scatter", "sendbuf")
             send = _packed(flat, counts, displs)
         if rank == root and _in_place(recvbuf):  # root's block stays where it is in sendbuf
             start = sum(counts[:root])
@@ -660,8 +760,10 @@ class MPICompat:
             if not getattr(recv.flags, "writeable", True):  # a bytes sendbuf: nothing to write
                 recv = array_module(send).empty(counts[root], np.uint8)
         else:
-            recv = _bytes(_writeable(_elements(recvbuf, "recvbuf"), "recvbuf"))
-        return self._call(blocking, "scatter", send, root=root, counts=counts, out=recv)
+            recv, unpack = self._moved(recvbuf, "recvbuf")
+            _writeable(recv, "recvbuf")
+        return self._call(blocking, "scatter", send, root=root, counts=counts, out=recv,
+                          finish=unpack)
 
     @_passes_through("Scatter")
     def Scatter(self, sendbuf, recvbuf, root=0):
@@ -681,21 +783,14 @@ class MPICompat:
 
     def _allgather(self, blocking, sendbuf, recvbuf, vector):
         p, rank = self.ringcoll.size, self.ringcoll.rank
-        if vector:
-            flat, counts, displs = _byte_vector(recvbuf, p, "recvbuf")
-        else:
-            flat = _bytes(_elements(recvbuf, "recvbuf", p))
-            if flat.size % p:
-                raise InvalidArgumentError(f"ringcoll.wrap Allgather: recvbuf has {flat.size} "
-                                           f"bytes, not a multiple of the size {p}")
-            counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
-        _writeable(flat, "recvbuf")
+        flat, counts, displs, unpack = self._receiving(recvbuf, p, vector, "Allgather")
         recv, place = _unpacked(flat, counts, displs)
         if _in_place(sendbuf):  # this rank's block is already in place in recvbuf
             send = flat[displs[rank]:displs[rank] + counts[rank]].copy()
         else:
-            send = _bytes(_elements(sendbuf, "sendbuf"))
-        return self._call(blocking, "allgather", send, out=recv, counts=counts, finish=place)
+            send = self._moved(sendbuf, "sendbuf")[0]
+        return self._call(blocking, "allgather", send, out=recv, counts=counts,
+                          finish=_then(place, unpack))
 
     @_passes_through("Allgather")
     def Allgather(self, sendbuf, recvbuf):
@@ -715,13 +810,15 @@ class MPICompat:
 
     def _alltoall(self, blocking, sendbuf, recvbuf):
         p = self.ringcoll.size
-        recv = _bytes(_writeable(_elements(recvbuf, "recvbuf", p), "recvbuf"))
-        send = recv.copy() if _in_place(sendbuf) else _bytes(_elements(sendbuf, "sendbuf", p))
+        recv, unpack = self._moved(recvbuf, "recvbuf", p)
+        _writeable(recv, "recvbuf")
+        send = recv.copy() if _in_place(sendbuf) else self._moved(sendbuf, "sendbuf", p)[0]
         if send.size % p or recv.size != send.size:
             raise InvalidArgumentError(
                 f"ringcoll.wrap Alltoall: sendbuf has {send.size} bytes and recvbuf "
                 f"{recv.size}; both must hold size ({p}) equal blocks of the same size")
-        return self._call(blocking, "alltoall", send.reshape(p, -1), out=recv.reshape(p, -1))
+        return self._call(blocking, "alltoall", send.reshape(p, -1), out=recv.reshape(p, -1),
+                          finish=unpack)
 
     @_passes_through("Alltoall")
     def Alltoall(self, sendbuf, recvbuf):
@@ -733,16 +830,16 @@ class MPICompat:
 
     def _alltoallv(self, blocking, sendbuf, recvbuf):
         p = self.ringcoll.size
-        flat, rcounts, rdispls = _byte_vector(recvbuf, p, "recvbuf")
+        flat, rcounts, rdispls, unpack = self._moved_vector(recvbuf, p, "recvbuf")
         _writeable(flat, "recvbuf")
         if _in_place(sendbuf):  # MPI: the data to send is in recvbuf, laid out as received
             send, scounts = _packed(flat, rcounts, rdispls).copy(), rcounts
         else:
-            sflat, scounts, sdispls = _byte_vector(sendbuf, p, "sendbuf")
+            sflat, scounts, sdispls, _ = self._moved_vector(sendbuf, p, "sendbuf")
             send = _packed(sflat, scounts, sdispls)
         recv, place = _unpacked(flat, rcounts, rdispls)
         return self._call(blocking, "alltoallv", send, scounts, out=recv, recv_counts=rcounts,
-                        finish=place)
+                          finish=_then(place, unpack))
 
     @_passes_through("Alltoallv")
     def Alltoallv(self, sendbuf, recvbuf):

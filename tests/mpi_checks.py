@@ -856,7 +856,7 @@ def check_compat_buffers(comms, light):
         twins(lambda: np.arange(4, dtype=np.int32) * (RANK == 0),
               lambda b: c.Bcast([b, 1, vector], root=0),
               lambda b: WORLD.Bcast([b, 1, vector], root=0),
-              "Bcast of a derived datatype (passed through)")
+              "Bcast of a derived datatype (packed)")
     finally:
         vector.Free()
     maximum = MPI.Op.Create(lambda a, b, dt: np.maximum(np.frombuffer(a, np.float64),
@@ -1085,6 +1085,37 @@ def check_compat_collectives(comms, light):
           lambda r: WORLD.Allreduce([np.arange(3, dtype=np.int32) + RANK, "i"], [r, "i"]),
           "Allreduce with typecode 'i'")
     pair = np.dtype([("v", np.float64), ("i", np.int32)], align=True)
+    # a derived datatype on some ranks only (MPI requires only the type signatures to
+    # match): packed where it is, so every rank runs ringcoll's collective
+    two = MPI.INT.Create_contiguous(2).Commit()
+    strided = MPI.INT.Create_vector(2, 1, 3).Commit()  # ints 0 and 3 of 4: gaps at 1 and 2
+    try:
+        twins(lambda: np.full(2 * P, -1, np.int32),
+              lambda r: c.Gather([np.full(2, RANK, np.int32), 2, MPI.INT],
+                                 [r, 1, two] if RANK == 0 else None, root=0),
+              lambda r: WORLD.Gather([np.full(2, RANK, np.int32), 2, MPI.INT],
+                                     [r, 1, two] if RANK == 0 else None, root=0),
+              "Gather into a contiguous derived type on root only")
+        twins(lambda: np.full(2, -1, np.int32),
+              lambda r: c.Scatter([np.arange(2 * P, dtype=np.int32), 1, two]
+                                  if RANK == P - 1 else None, [r, 2, MPI.INT], root=P - 1),
+              lambda r: WORLD.Scatter([np.arange(2 * P, dtype=np.int32), 1, two]
+                                      if RANK == P - 1 else None, [r, 2, MPI.INT], root=P - 1),
+              "Scatter from a derived type on root only")
+        twins(lambda: np.arange(8, dtype=np.int32) if RANK == 0 else np.full(8, -1, np.int32),
+              lambda b: c.Bcast([b, 2, strided] if RANK == 0 else [b, 4, MPI.INT], root=0),
+              lambda b: WORLD.Bcast([b, 2, strided] if RANK == 0 else [b, 4, MPI.INT], root=0),
+              "Bcast of a strided derived type on root, 4 ints elsewhere (gaps untouched)")
+        twins(lambda: np.full(8 * P, -1, np.int32),
+              lambda r: c.Allgatherv(np.full(2, RANK, np.int32),
+                                     [r, [1] * P, [2 * q for q in range(P)], strided]),
+              lambda r: WORLD.Allgatherv(np.full(2, RANK, np.int32),
+                                         [r, [1] * P, [2 * q for q in range(P)], strided]),
+              "Allgatherv into strided blocks at displacements")
+    finally:
+        two.Free()
+        strided.Free()
+
     def pairs():  # zeros first: the padding bytes are zero in both twins
         b = np.zeros(2, pair)
         if RANK == 0:
