@@ -786,6 +786,16 @@ def check_compat(comms, light):
     CK.attempt("Free", c.Free)
 
 
+def twins(make, ours, ref, label):
+    """ours(a) and ref(b) on twin buffers a and b from make(): a's bytes must be b's (ours is
+    a wrap() call, ref WORLD's own)."""
+    a, b = make(), make()
+    CK.attempt(label, lambda: ours(a))
+    ref(b)
+    CK.check(bytes(memoryview(a)) == bytes(memoryview(b)),
+             f"{label}: differs from MPI: {np.asarray(a)} vs {np.asarray(b)}")
+
+
 def check_compat_buffers(comms, light):
     """wrap() takes buffers as mpi4py does (every result against WORLD's own call on a twin
     buffer of the same kind): array.array, bytearray and memoryview receive buffers (viewed,
@@ -797,12 +807,6 @@ def check_compat_buffers(comms, light):
     c = CK.attempt("wrap", lambda: ringcoll.wrap(WORLD))
     if c is None:
         return
-
-    def twins(make, ours, ref, label):
-        a, b = make(), make()
-        CK.attempt(label, lambda: ours(a))
-        ref(b)
-        CK.check(bytes(memoryview(a)) == bytes(memoryview(b)), f"{label}: differs from MPI")
 
     twins(lambda: array.array("i", [0] * 4),
           lambda r: c.Reduce(np.arange(4, dtype=np.int32) + RANK, r, root=0),
@@ -905,13 +909,6 @@ def check_compat_collectives(comms, light):
     c = CK.attempt("wrap", lambda: ringcoll.wrap(WORLD))
     if c is None:
         return
-
-    def twins(make, ours, ref, label):
-        a, b = make(), make()
-        CK.attempt(label, lambda: ours(a))
-        ref(b)
-        CK.check(bytes(memoryview(a)) == bytes(memoryview(b)),
-                 f"{label}: differs from MPI: {np.asarray(a)} vs {np.asarray(b)}")
 
     counts = [(r * 3 + 1) % 4 for r in range(P)]  # uneven, with zeros from P = 4
     displs = [sum(counts[:r]) + 2 * r + 1 for r in range(P)]  # gaps between the blocks

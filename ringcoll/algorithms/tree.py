@@ -78,15 +78,22 @@ def reduce(t, src, acc, root, combine, ws):
         mask <<= 1
 
 
+def _subtrees(t, part, root):
+    """(v, start, low): this rank relative to root, where relative rank u's block starts in
+    the relative order (start[u]:start[u + 1], start[p] the total), and v's lowest set bit
+    (all p for the root): v's subtree is the relative ranks v .. v + low - 1 (below p)."""
+    p = t.size
+    v = (t.rank - root) % p
+    start = [0]
+    for u in range(p):
+        start.append(start[-1] + part.counts[(u + root) % p])
+    return v, start, (v & -v if v else p)
+
+
 def gather(t, src, dst, part, root, ws):
     """dst[part.slices[q]] = rank q's src for every q, on root (dst is None elsewhere)."""
     p = t.size
-    v = (t.rank - root) % p
-    rel = [part.counts[(u + root) % p] for u in range(p)]  # block sizes in relative order
-    start = [0]
-    for c in rel:
-        start.append(start[-1] + c)  # relative rank u's block is start[u]:start[u + 1]
-    low = v & -v if v else p  # v's lowest set bit: its subtree is v .. v + low - 1
+    v, start, low = _subtrees(t, part, root)
     if v == 0:
         dst[part.slices[root]] = src
     buf = None
@@ -125,12 +132,7 @@ def scatter(t, src, dst, part, root, ws):
     dst may be root's own block of src itself (in place): that copy is then a no-op.
     """
     p = t.size
-    v = (t.rank - root) % p
-    rel = [part.counts[(u + root) % p] for u in range(p)]  # block sizes in relative order
-    start = [0]
-    for c in rel:
-        start.append(start[-1] + c)  # relative rank u's block is start[u]:start[u + 1]
-    low = v & -v if v else p  # v's lowest set bit: its subtree is v .. top - 1
+    v, start, low = _subtrees(t, part, root)  # v's subtree is v .. top - 1
     top = min(v + low, p)
     if v == 0:
         dst[...] = src[part.slices[root]]
