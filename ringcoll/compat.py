@@ -448,13 +448,25 @@ _NOTHING = object()  # matches no argument
 class Request:
     """A non-blocking collective of wrap(): mpi4py's Request methods over ringcoll's.
 
-    Wait() (and wait(), test(), Test()) finish the call as mpi4py's do. MPI.Request.Waitall
-    and friends take MPI handles only and refuse this object (a TypeError, never a silent
-    no-op): use Request.Waitall(requests) from here, or wait on each.
+    Wait() (and wait(), test(), Test()) finish the call as mpi4py's do; once completed it is
+    false and equals MPI.REQUEST_NULL, as mpi4py's requests. MPI.Request.Waitall and friends
+    take MPI handles only and refuse this object (a TypeError, never a silent no-op): use
+    Request.Waitall(requests) from here, or wait on each. A status passed to Wait is left as
+    it is (MPI leaves a collective's status fields undefined).
     """
 
     def __init__(self, inner, finish=None):
         self._inner, self._finish, self._done = inner, finish, False
+
+    def __bool__(self):  # as mpi4py's: a completed request is MPI.REQUEST_NULL, false
+        return not self._done
+
+    def __eq__(self, other):
+        if isinstance(other, MPI.Request):  # REQUEST_NULL once completed, as in mpi4py
+            return self._done and other == MPI.REQUEST_NULL
+        return self is other
+
+    __hash__ = object.__hash__
 
     def Wait(self, status=None):
         if not self._done:
@@ -856,8 +868,14 @@ class MPICompat:
     def Dup(self, *args, **kwargs):
         return self._wrapped(self.mpi_comm.Dup(*args, **kwargs))
 
+    def Dup_with_info(self, info):
+        return self._wrapped(self.mpi_comm.Dup_with_info(info))
+
     def Clone(self):
         return self._wrapped(self.mpi_comm.Clone())
+
+    def Create_cart(self, *args, **kwargs):  # a Cartcomm: its own methods via __getattr__
+        return self._wrapped(self.mpi_comm.Create_cart(*args, **kwargs))
 
     def Split(self, color=0, key=0):
         return self._wrapped(self.mpi_comm.Split(color, key))
