@@ -27,6 +27,7 @@ import zlib
 
 import numpy as np
 
+from .algorithms import bruck
 from .errors import CollectiveMismatchError, PeerFailedError
 from .transport import Tag
 
@@ -122,23 +123,9 @@ def fingerprint(seq, collective, fields):
 
 
 def exchange_fingerprints(t, record):
-    """All-gather every rank's fingerprint: a (p, FINGERPRINT_BYTES) table whose row i is rank
-    (t.rank + i) % p's record (row 0 is this rank's own).
-
-    Bruck's all-gather, ceil(log2 p) sendrecv steps: at the step with distance d, rank r
-    sends the records it holds (its own and the next ones, r .. r + have - 1) to r - d and
-    receives those of r + d .. from r + d.
-    """
-    p, r = t.size, t.rank
-    slots = np.empty((p, FINGERPRINT_BYTES), dtype=np.uint8)
-    slots[0] = record
-    have, d = 1, 1
-    while have < p:
-        c = min(d, p - have)
-        t.sendrecv(slots[:c].reshape(-1), (r - d) % p, slots[have:have + c].reshape(-1),
-                   (r + d) % p, Tag.FINGERPRINT)
-        have, d = have + c, 2 * d
-    return slots
+    """All-gather every rank's fingerprint: a (p, FINGERPRINT_BYTES) table whose row r is rank
+    r's record (Bruck's all-gather, algorithms/bruck.py: ceil(log2 p) sendrecv steps)."""
+    return bruck.allgather(t, record, Tag.FINGERPRINT)
 
 
 def _decode(row):
@@ -153,7 +140,7 @@ def compare(t, slots):
     """Raise on every rank alike if the records disagree (or a rank reported an error)."""
     if (slots == slots[0]).all():  # the usual case: every byte agrees, nothing to decode
         return
-    records = [_decode(row) for row in np.roll(slots, t.rank, axis=0)]  # in rank order
+    records = [_decode(row) for row in slots]  # in rank order
     failed = [r for r, rec in enumerate(records) if "error" in rec]
     if failed:
         if t.rank in failed:

@@ -39,7 +39,7 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util import dtlib
 
-from .arrays import array_module, is_device
+from .arrays import Partition, array_module, is_device, writeable
 from .communicator import Communicator
 from .errors import InvalidArgumentError, InvalidTypeError
 
@@ -98,7 +98,7 @@ def _vector_fields(spec):
 
 def _back_to_back(counts):
     """The displacements of blocks that lie one after the other from the start."""
-    return np.concatenate([[0], np.cumsum(counts[:-1], dtype=np.int64)]).tolist()
+    return Partition(counts).starts[:-1]
 
 
 def _counts_displs(counts, displs, size, p, name):
@@ -106,7 +106,7 @@ def _counts_displs(counts, displs, size, p, name):
     the buffer like np.array_split, an integer count is every block's, an integer
     displacement is a stride; checked to fit."""
     if counts is None:
-        counts = [size // p + (size % p > i) for i in range(p)]
+        counts = Partition.even(size, p).counts
     elif isinstance(counts, (int, np.integer)):
         counts = [int(counts)] * p
     else:
@@ -233,7 +233,7 @@ def _numpy_dtype(datatype, arr):
     if datatype is None:
         return arr.dtype
     if not datatype.is_predefined:
-        raise _PassThrough(datatype)  # derived datatypes: mpi4py runs the call
+        raise _PassThrough(datatype)  # derived: packed for data movement, else mpi4py's
     dtype = np.dtype(dtlib.to_numpy_dtype(datatype))
     if dtype.kind == "U":  # MPI.WCHAR: one wchar_t
         dtype = np.dtype(f"<U{max(1, datatype.Get_size() // 4)}")
@@ -261,15 +261,15 @@ def _array(buf, name):
                            f"{type(buf).__name__}")
 
 
-def _pack_blocks(buf, datatype, counts, displs, comm, name):
+def _pack_blocks(raw, datatype, counts, displs, comm, name):
     """Blocks of a derived datatype (counts[i] elements at displacement displs[i] extents)
     as bytes, back to back, and a function that writes such bytes back into the blocks.
 
     MPI_Pack lays the datatype's type map out contiguously: on one machine (homogeneous
     MPI) these are the very bytes the same values have in basic datatypes, which is what the
     other ranks send or expect, since MPI requires only the type signatures to match. So a
-    derived datatype on some ranks and a basic one on the others run on ringcoll alike."""
-    raw = _bytes(_array(buf, name).reshape(-1, order="A"))
+    derived datatype on some ranks and a basic one on the others run on ringcoll alike.
+    raw: the caller's whole buffer as bytes."""
     size, extent = datatype.Get_size(), datatype.Get_extent()[1]
     if extent <= 0:
         raise _PassThrough(datatype)
@@ -432,7 +432,7 @@ def _bytes(x):
 
 
 def _writeable(x, name):
-    if not getattr(x.flags, "writeable", True):
+    if not writeable(x):
         raise InvalidArgumentError(f"ringcoll.wrap: {name} is read-only; pass a writeable "
                                    "buffer to receive into")
     return x
@@ -507,16 +507,16 @@ class Request:
 class MPICompat:
     """mpi4py's upper-case collective methods over a ringcoll Communicator.
 
-    Each method reads mpi4py's arguments into a call of the Communicator's (a `_Call`), then
-    runs it (the blocking form) or starts its non-blocking twin (the I-form, which returns
-    a Request); both forms share the reading, so they check and behave alike.
+    Each method reads mpi4py's arguments into a call of the Communicator's, then runs it
+    (the blocking form) or starts its non-blocking twin (the I-form, which returns a
+    Request) through _call; both forms share the reading, so they check and behave alike.
     """
 
     def __init__(self, mpi_comm, **options):
         self.mpi_comm = mpi_comm
         self.ringcoll = Communicator(mpi_comm, **options)
         self._options = options
-        self._last_allreduce = (_NOTHING,) * 5  # (sendbuf, recvbuf, op, send, recvbuf.shape)
+        self._last_allreduce = (_NOTHING,) * 4  # (sendbuf, recvbuf, op, send view)
 
     def __getattr__(self, name):  # everything we do not override is the mpi4py communicator's
         return getattr(self.mpi_comm, name)
@@ -533,63 +533,67 @@ class MPICompat:
         return None
 
     # -- data-movement buffers: bytes, a derived datatype's packed -----------------------------
-    def _moved(self, spec, name, blocks=1):
+    def _moved(self, spec, name, blocks=1, write=False):
         """(a data-movement buffer as bytes, how to finish receiving into it or None). A basic
         datatype's bytes are the caller's memory itself; a derived one's are packed
-        (_pack_blocks), and unpacked into the caller's buffer by the finishing step."""
+        (_pack_blocks). write: the call receives into it, so the caller's buffer must be
+        writeable, and a derived datatype's bytes are unpacked into it by the returned step."""
         try:
-            return _bytes(_elements(spec, name, blocks)), None
+            flat = _bytes(_elements(spec, name, blocks))
+            return (_writeable(flat, name) if write else flat), None
         except _PassThrough as exc:
             datatype = exc.args[0]
             if not isinstance(datatype, MPI.Datatype):
                 raise
         buf, count, displ, _ = _spec(spec)
+        raw = self._raw(buf, name, write)
         if count is None:  # as mpi4py: the whole buffer, in extents
-            count = (_bytes(_array(buf, name).reshape(-1, order="A")).size
-                     // max(1, datatype.Get_extent()[1]) - displ) // blocks
-        packed, _, unpack = _pack_blocks(buf, datatype, [count * blocks], [displ],
+            count = (raw.size // max(1, datatype.Get_extent()[1]) - displ) // blocks
+        packed, _, unpack = _pack_blocks(raw, datatype, [count * blocks], [displ],
                                          self.mpi_comm, name)
-        return packed, unpack
+        return packed, unpack if write else None
 
-    def _moved_vector(self, spec, p, name):
-        """_byte_vector, with _moved's finishing step: (bytes, counts, displs, finish)."""
+    def _moved_vector(self, spec, p, name, write=False):
+        """_byte_vector, as _moved does it: (bytes, counts, displs, finish or None)."""
         try:
-            return (*_byte_vector(spec, p, name), None)
+            flat, counts, displs = _byte_vector(spec, p, name)
+            return (_writeable(flat, name) if write else flat), counts, displs, None
         except _PassThrough as exc:
             datatype = exc.args[0]
             if not isinstance(datatype, MPI.Datatype):
                 raise
         buf, counts, displs, _ = _vector_fields(spec)
-        extent = max(1, datatype.Get_extent()[1])
-        whole = _bytes(_array(buf, name).reshape(-1, order="A")).size // extent
+        raw = self._raw(buf, name, write)
+        whole = raw.size // max(1, datatype.Get_extent()[1])
         counts, displs = _counts_displs(counts, displs, whole, p, name)
-        packed, counts, unpack = _pack_blocks(buf, datatype, counts, displs, self.mpi_comm,
+        packed, counts, unpack = _pack_blocks(raw, datatype, counts, displs, self.mpi_comm,
                                               name)
-        return packed, counts, _back_to_back(counts), unpack
+        return packed, counts, _back_to_back(counts), unpack if write else None
 
-    def _receiving(self, spec, p, vector, method, name="recvbuf"):
+    @staticmethod
+    def _raw(buf, name, write):
+        """The caller's whole buffer as bytes (a derived datatype's blocks live in it)."""
+        raw = _bytes(_array(buf, name).reshape(-1, order="A"))
+        return _writeable(raw, name) if write else raw
+
+    def _receiving(self, spec, p, vector, method, name="recvbuf", write=True):
         """The one-block-per-rank side of a gather, scatter or all-gather: (bytes, counts,
         displs, finish) in bytes, from a v-spec or from p equal blocks."""
         if vector:
-            flat, counts, displs, unpack = self._moved_vector(spec, p, name)
-        else:
-            flat, unpack = self._moved(spec, name, p)
-            if flat.size % p:
-                raise InvalidArgumentError(f"ringcoll.wrap {method}: {name} has {flat.size} "
-                                           f"bytes, not a multiple of the size {p}")
-            counts, displs = [flat.size // p] * p, [r * flat.size // p for r in range(p)]
-        if name == "recvbuf":
-            _writeable(flat if unpack is None else _bytes(_array(_vector_fields(spec)[0],
-                                                                  name)), name)
-        return flat, counts, displs, unpack
+            return self._moved_vector(spec, p, name, write)
+        flat, unpack = self._moved(spec, name, p, write)
+        if flat.size % p:
+            raise InvalidArgumentError(f"ringcoll.wrap {method}: {name} has {flat.size} "
+                                       f"bytes, not a multiple of the size {p}")
+        return flat, [flat.size // p] * p, [r * flat.size // p for r in range(p)], unpack
 
     # -- reductions -------------------------------------------------------------------------
     def Allreduce(self, sendbuf, recvbuf, op=MPI.SUM):
         last = self._last_allreduce  # the same buffers and op as last time: no parsing, and
-        if (last[0] is sendbuf and last[1] is recvbuf and last[2] is op  # the core replays;
-                and last[4] == recvbuf.shape and recvbuf.flags.writeable):  # not reshaped
-            self.ringcoll.allreduce(last[3], op=op, out=recvbuf)  # (nor sendbuf: the core
-            return                                                 # checks its own x)
+        if (last[0] is sendbuf and last[1] is recvbuf and last[2] is op  # the core replays
+                and recvbuf.flags.writeable):  # (and notices a reshape itself)
+            self.ringcoll.allreduce(last[3], op=op, out=recvbuf)
+            return
         self._first_allreduce(sendbuf, recvbuf, op)
 
     @_passes_through("Allreduce")
@@ -605,11 +609,8 @@ class MPICompat:
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
         send = recv if _in_place(sendbuf) else _elements(sendbuf, "sendbuf")
         if blocking and recv is recvbuf and (send is sendbuf or sendbuf is MPI.IN_PLACE):
-            self._last_allreduce = (sendbuf, recvbuf, op, send, recvbuf.shape)  # plain arrays
-        if blocking:
-            self.ringcoll.allreduce(send, op=op, out=recv)
-            return None
-        return self._call(False, "allreduce", send, op=op, out=recv)
+            self._last_allreduce = (sendbuf, recvbuf, op, send)  # plain arrays: remembered
+        return self._call(blocking, "allreduce", send, op=op, out=recv)
 
     def _reduce(self, blocking, sendbuf, recvbuf, op, root):
         _check_op(op)
@@ -641,7 +642,7 @@ class MPICompat:
                 f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} elements; it "
                 f"must have size * len(recvbuf) = {p * recv.size}")
         return self._call(blocking, "reduce_scatter", send.reshape(p, -1), op=op,
-                        out=recv.reshape(1, -1))
+                          out=recv.reshape(1, -1))
 
     @_passes_through("Reduce_scatter_block")
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
@@ -715,11 +716,7 @@ class MPICompat:
 
     # -- data movement: bytes as they are -----------------------------------------------------
     def _bcast(self, blocking, buf, root):
-        x, unpack = self._moved(buf, "buf")
-        if self.ringcoll.rank == root:
-            unpack = None  # root's buffer is only read
-        else:
-            _writeable(_bytes(_array(_spec(buf)[0], "buf")) if unpack else x, "buf")
+        x, unpack = self._moved(buf, "buf", write=self.ringcoll.rank != root)  # root only reads
         return self._call(blocking, "broadcast", x, root=root, finish=unpack)
 
     @_passes_through("Bcast")
@@ -764,16 +761,16 @@ class MPICompat:
         p, rank = self.ringcoll.size, self.ringcoll.rank
         send = counts = unpack = None
         if rank == root:  # sendbuf matters on root only, as in MPI
-            flat, counts, displs, _ = self._receiving(sendbuf, p, vector, "Scatter", "sendbuf")
+            flat, counts, displs, _ = self._receiving(sendbuf, p, vector, "Scatter", "sendbuf",
+                                                      write=False)
             send = _packed(flat, counts, displs)
         if rank == root and _in_place(recvbuf):  # root's block stays where it is in sendbuf
             start = sum(counts[:root])
             recv = send[start:start + counts[root]]  # (a no-op copy, or into a packed copy)
-            if not getattr(recv.flags, "writeable", True):  # a bytes sendbuf: nothing to write
+            if not writeable(recv):  # a bytes sendbuf: nothing to write there
                 recv = array_module(send).empty(counts[root], np.uint8)
         else:
-            recv, unpack = self._moved(recvbuf, "recvbuf")
-            _writeable(recv, "recvbuf")
+            recv, unpack = self._moved(recvbuf, "recvbuf", write=True)
         return self._call(blocking, "scatter", send, root=root, counts=counts, out=recv,
                           finish=unpack)
 
@@ -822,8 +819,7 @@ class MPICompat:
 
     def _alltoall(self, blocking, sendbuf, recvbuf):
         p = self.ringcoll.size
-        recv, unpack = self._moved(recvbuf, "recvbuf", p)
-        _writeable(recv, "recvbuf")
+        recv, unpack = self._moved(recvbuf, "recvbuf", p, write=True)
         send = recv.copy() if _in_place(sendbuf) else self._moved(sendbuf, "sendbuf", p)[0]
         if send.size % p or recv.size != send.size:
             raise InvalidArgumentError(
@@ -842,8 +838,7 @@ class MPICompat:
 
     def _alltoallv(self, blocking, sendbuf, recvbuf):
         p = self.ringcoll.size
-        flat, rcounts, rdispls, unpack = self._moved_vector(recvbuf, p, "recvbuf")
-        _writeable(flat, "recvbuf")
+        flat, rcounts, rdispls, unpack = self._moved_vector(recvbuf, p, "recvbuf", write=True)
         if _in_place(sendbuf):  # MPI: the data to send is in recvbuf, laid out as received
             send, scounts = _packed(flat, rcounts, rdispls).copy(), rcounts
         else:

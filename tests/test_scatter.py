@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ringcoll
+from ringcoll.collectives import _args as A
 from ringcoll.collectives import scatter as S
 from ringcoll.transport.base import Tag
 
@@ -168,9 +169,9 @@ def test_scatter_header_spells_dtypes_that_round_trip():
         assert raw is not None and np.dtype(raw.decode()) == dtype, dtype
     assert S._spell(np.dtype([("a", "<i4"), ("b", "<f8")])) is None
     if O.BFLOAT16 is not None:  # its descr is a plain 2-byte void's: the crc tells them apart
-        assert S._layout(O.BFLOAT16, ()) != S._layout(np.dtype("V2"), ())
-    assert S._layout(np.dtype("<i4"), (2,)) != S._layout(np.dtype(">i4"), (2,))
-    assert S._layout(np.dtype("<i4"), (2,)) != S._layout(np.dtype("<i4"), (2, 1))
+        assert A.layout(O.BFLOAT16, ()) != A.layout(np.dtype("V2"), ())
+    assert A.layout(np.dtype("<i4"), (2,)) != A.layout(np.dtype(">i4"), (2,))
+    assert A.layout(np.dtype("<i4"), (2,)) != A.layout(np.dtype("<i4"), (2, 1))
 
 
 def test_scatter_debug_mode_runs_and_names_a_root_mismatch(capsys):

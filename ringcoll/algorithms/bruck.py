@@ -62,9 +62,11 @@ def allreduce(t, src, dst, combine, ws):
 def allgather(t, mine, tag):
     """Bruck's all-gather alone: a (p, mine.size) array whose row j is rank j's `mine`.
 
-    The schedule above without the reduction: ceil(log2 p) sendrecv steps, every rank
-    receiving the other p - 1 ranks' buffers once; for the few numbers a collective's ranks
-    must all see before they move data (alltoallv's verdict on its exchanged counts).
+    The schedule above without the reduction: ceil(log2 p) sendrecv steps; at the step with
+    distance d, rank r sends the buffers it holds (its own and the next ones, r .. r + have
+    - 1) to r - d and receives those of r + d .. from r + d, so every rank receives the other
+    p - 1 ranks' buffers once. For the few numbers all ranks must see before a collective
+    moves data (debug mode's fingerprints, alltoallv's verdict on its exchanged counts).
     """
     p, r, n = t.size, t.rank, mine.size
     slots = np.empty((p, n), mine.dtype)  # slots[i]: rank (r + i) % p's buffer

@@ -199,6 +199,14 @@ def dtype_key(dtype):
     return descr if len(descr) <= 64 else f"{dtype.name} crc {zlib.crc32(descr.encode()):08x}"
 
 
+def layout(dtype, trail):
+    """A crc of a dtype and a row shape, the same in every process, for ranks to compare
+    before they move rows: dtype.str has the byte order; dtype_key tells apart what shares a
+    .str (two structs of one size, '|V12', by their fields and padding; ml_dtypes' float8
+    kinds, '<V1', by name)."""
+    return zlib.crc32(f"{dtype.str} {dtype_key(dtype)} {tuple(trail)}".encode())
+
+
 def pick_simple(algorithm, names, ctx):
     """The algorithm of a collective whose choice is the caller's alone: names is its
     ALGORITHMS, the first being what 'auto' (or None) runs."""

@@ -83,11 +83,7 @@ def rows(g, x, out, name, collective=NAME, expect=None):
     The 6 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
     algorithm='native' (so the native baseline pays no ringcoll step).
     """
-    # dtype.str has the byte order; dtype_key tells apart what shares a .str: two structs of
-    # one size ('|V12': by their fields and padding), or ml_dtypes' float8 kinds ('<V1': by
-    # name). The crc is the same in every process.
-    key = f"{x.dtype.str} {_args.dtype_key(x.dtype)} {x.shape[1:]}"
-    layout = zlib.crc32(key.encode())
+    layout = _args.layout(x.dtype, x.shape[1:])
     out_rows = -1 if out is None else out.shape[0]
     mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
                      -1 if expect is None else _crc(expect)], dtype=np.int64)

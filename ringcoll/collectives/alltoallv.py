@@ -27,7 +27,6 @@ rank, and ceil(log2 p) a + 8 (p-1) b more with them.
 bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step.
 """
 
-import zlib
 
 import numpy as np
 
@@ -89,8 +88,7 @@ def exchange(g, x, counts, out, recv_counts, name):
     """Steps 1 and 2 of the module docstring: the rows each rank sends this one (in rank
     order), once every rank knows that the call is consistent; else every rank raises."""
     p, r = g.size, g.rank
-    # as allgather.rows: byte order from .str, structs and float8 kinds told apart by dtype_key
-    layout = zlib.crc32(f"{x.dtype.str} {_args.dtype_key(x.dtype)} {x.shape[1:]}".encode())
+    layout = _args.layout(x.dtype, x.shape[1:])
     checking = int(recv_counts is not None or out is not None)
     mine = np.empty((p, 5), np.int64)  # row j: what rank j gets from this rank
     mine[:, 0] = counts

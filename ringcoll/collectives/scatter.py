@@ -18,7 +18,6 @@ for n scattered bytes ((p-1)/p n b for even blocks): root sends every other bloc
 """
 
 import operator
-import zlib
 
 import numpy as np
 
@@ -62,7 +61,7 @@ def plan(g, ctx, x, root, counts, out, algorithm):
         elif not writeable(out):
             raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
     mine = np.array([out is not None, -1 if out is None else out.shape[0],
-                     0 if out is None else _layout(out.dtype, out.shape[1:])], dtype=np.int64)
+                     0 if out is None else _args.layout(out.dtype, out.shape[1:])], dtype=np.int64)
 
     src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
     if g.rank == root:
@@ -109,12 +108,6 @@ def _parts(header, p):
     trailing ndim), root's dtype spelled in NAME_BYTES, its trailing shape in SLOTS words)."""
     return (header[:p], header[p:2 * p], header[2 * p:2 * p + 2], header[2 * p + 2:2 * p + 4],
             header[2 * p + 4:])
-
-
-def _layout(dtype, trail):
-    """A crc of dtype and row shape, the same in every process (the name tells bfloat16
-    from the plain 2-byte void its descr shows; descr tells structured dtypes apart)."""
-    return zlib.crc32(repr((dtype.name, dtype.descr, tuple(trail))).encode())
 
 
 def _spell(dtype):
@@ -207,7 +200,7 @@ def _judge(meta, x, rows, own, p, root):
     verdicts[root] = own
     if rows is not None:  # with bad counts, no other rank's out can be judged
         counts[:] = rows
-        layout = _layout(x.dtype, trail)
+        layout = _args.layout(x.dtype, trail)
         for r in range(p):
             has_out, out_rows, out_layout = meta[r]
             if r == root:
