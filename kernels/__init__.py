@@ -12,7 +12,8 @@ from functools import partial
 
 import numpy as np
 
-UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum}
+UFUNCS = {"sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 
 
 def reduce_into(ufunc, a, b, out, acc=None):

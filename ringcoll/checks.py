@@ -31,7 +31,7 @@ from .algorithms import bruck
 from .errors import CollectiveMismatchError, PeerFailedError
 from .transport import Tag
 
-OPS = ("sum", "prod", "max", "min", "avg")
+OPS = ("sum", "prod", "max", "min", "avg", "band", "bor", "bxor")
 HEADER_COLLECTIVES = ("allreduce", "reduce_scatter")
 FINGERPRINT_BYTES = 256
 

@@ -1,4 +1,5 @@
-"""Reduction operators: "sum"/"prod"/"max"/"min"/"avg" (or mpi4py's MPI.SUM...) -> kernels.
+"""Reduction operators: "sum"/"prod"/"max"/"min"/"avg" (or mpi4py's MPI.SUM...) and the bitwise
+"band"/"bor"/"bxor" of integers (host arrays only) -> kernels.
 
 A ReduceOp gives algorithms a combine(a, b, out) function (out = a op b, in place into views)
 and knows what 'avg' adds around the sum: a division by the process count, before the
@@ -14,7 +15,10 @@ from . import kernels
 from .arrays import HALF_TYPES
 from .errors import InvalidArgumentError, InvalidTypeError
 
-_NAMES = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "avg": "avg", "mean": "avg"}
+_NAMES = {"sum": "sum", "prod": "prod", "max": "max", "min": "min", "avg": "avg", "mean": "avg",
+          "band": "band", "bor": "bor", "bxor": "bxor"}
+#: the bitwise ops: integer dtypes only, and NumPy arrays only (no CUDA kernel is written)
+BITWISE = ("band", "bor", "bxor")
 
 
 class ReduceOp:
@@ -36,6 +40,9 @@ class ReduceOp:
         """
         if xp is np:
             return Combine(self.ufunc, accumulate_dtype(dtype))
+        if self.name in BITWISE:
+            raise InvalidTypeError(f"op {self.name!r} runs on host (NumPy) arrays only; ringcoll "
+                                   "has no CUDA kernel for it: reduce a NumPy copy")
         from .kernels import cuda  # only the GPU path needs it (and CuPy)
 
         return cuda.reduction("sum" if self.name == "avg" else self.name, dtype)
@@ -99,7 +106,7 @@ class Combine:
         kernels.scale_into(src, divisor, out, acc)
 
 
-_OPS = {name: ReduceOp(name) for name in ("sum", "prod", "max", "min", "avg")}
+_OPS = {name: ReduceOp(name) for name in ("sum", "prod", "max", "min", "avg") + BITWISE}
 
 
 def get_op(op, where=""):
@@ -115,8 +122,8 @@ def get_op(op, where=""):
         if name is not None:
             return _OPS[name]
     raise InvalidArgumentError(
-        f"{where}unknown reduction op {op!r}; use one of 'sum', 'prod', 'max', 'min', 'avg' "
-        "or MPI.SUM/MPI.PROD/MPI.MAX/MPI.MIN"
+        f"{where}unknown reduction op {op!r}; use one of 'sum', 'prod', 'max', 'min', 'avg', "
+        "'band', 'bor', 'bxor' or MPI.SUM/MPI.PROD/MPI.MAX/MPI.MIN"
     )
 
 
@@ -141,6 +148,9 @@ def check_op_dtype(op, dtype, where=""):
             f"{where}op 'avg' on integer dtype {dtype} would have to round; use op='sum' "
             "and divide yourself, or convert to a float dtype"
         )
+    if op.name in BITWISE and dtype.kind not in "iu":
+        raise InvalidTypeError(f"{where}op '{op.name}' is bitwise: integer dtypes only, got "
+                               f"{dtype}; view the bits as an integer dtype of the same size")
     if op.name in ("max", "min") and dtype.kind == "c":
         raise InvalidTypeError(f"{where}op '{op.name}' is not defined for complex dtype {dtype}; "
                                "use 'sum' or 'prod', or reduce np.abs(x) or the real and imaginary "

@@ -91,6 +91,12 @@ class Request:
         """True once the collective has finished; never blocks."""
         return self._future.done()
 
+    def add_done_callback(self, fn):
+        """Call fn(request) once the collective has finished (or failed): on the background
+        thread as it finishes, or here at once if it already has. For front-ends that chain
+        their own completion on it (ringcoll.torch's futures); fn must not block."""
+        self._future.add_done_callback(lambda _: fn(self))
+
 
 class Runner:
     """Runs one communicator's plans (see the module doc); g is its Group."""

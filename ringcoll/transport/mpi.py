@@ -357,7 +357,8 @@ class _Channel(MPITransport):
             self._watchdog.stop()
 
 
-_OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "MIN": MPI.MIN}
+_OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "MIN": MPI.MIN, "BAND": MPI.BAND,
+        "BOR": MPI.BOR, "BXOR": MPI.BXOR}
 
 
 def _bytes_spec(buf, counts):
