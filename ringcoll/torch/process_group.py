@@ -55,11 +55,12 @@ def create(opts, backend_options=None):
     rank, size = opts.group_rank, opts.group_size
     if ranks == list(range(world.size)) or not opts.global_ranks_in_group:  # the whole world
         if size != world.size or rank != world.rank:
+            fix = (f"launch with mpiexec -n {size}, or drop world_size= (and WORLD_SIZE)"
+                   if size != world.size else "drop rank= (and the RANK variable)")
             raise InvalidArgumentError(
                 f"ringcoll rank {world.rank}, init_process_group: torch was given rank {rank} "
                 f"of world_size {size}, but MPI runs this process as rank {world.rank} of "
-                f"{world.size}; ringcoll's ranks are MPI's: launch with mpiexec -n {size}, or "
-                "drop rank=/world_size= (and the RANK/WORLD_SIZE variables)")
+                f"{world.size}; ringcoll's ranks are MPI's: {fix}")
         mpi = world
     else:
         if ranks.index(world.rank) != rank:
@@ -176,9 +177,24 @@ class ProcessGroup(dist.ProcessGroup):
         self.ranks = ranks  # global (MPI) ranks of the members, in group order
         self._waiter = None  # the thread that completes point-to-point Works, once needed
         self._lock = threading.Lock()
+        self._group_name = self._group_desc = ""
 
     def getBackendName(self):
         return "ringcoll"
+
+    # torch names its groups (DeviceMesh and the functional collectives find them by name);
+    # a Python group keeps its own, as it has no C++ backend to keep them in
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupName(self):
+        return self._group_name
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def getGroupDesc(self):
+        return self._group_desc
 
     def __repr__(self):
         return f"ringcoll.torch.ProcessGroup(rank {self.comm.rank} of {self.comm.size})"
