@@ -9,9 +9,11 @@ collectives. Each method here turns the call into ringcoll ones:
   A non-contiguous one is staged once (``t.contiguous()``) and its result copied back;
 - the collective is queued on the Communicator's background thread (its i-form), so it runs
   while the caller computes, every collective of the group in call order;
-- the returned Work is torch's own wrapping of a torch Future that the background thread
-  completes (with the output tensors, or with ringcoll's error), so ``wait()``,
-  ``get_future()`` and the futures DDP's comm hooks chain on behave as torch's do.
+- the returned Work (a torch Work subclass) holds a torch Future that the background thread
+  completes, with the output tensors or with ringcoll's error: ``wait()`` raises that error,
+  and ``get_future()`` is what DDP's comm hooks chain on. (torch's own wrapping of a future,
+  _create_work_from_future, is no use here: its wait() returns True for a failed future, and
+  its future's wait() returns the exception instead of raising it.)
 
 Point-to-point sends and receives are posted at once (MPI requests) and a second thread waits
 for them in order, completing their futures; a receive names its source (ringcoll has no
@@ -29,12 +31,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed.constants import default_pg_timeout
 
 from ..arrays import BFLOAT16
 from ..communicator import Communicator
-from ..errors import InvalidArgumentError, InvalidTypeError, where
+from ..errors import CollectiveTimeoutError, InvalidArgumentError, InvalidTypeError, where
 
 RED = dist.ReduceOp.RedOpType
 _OPS = {RED.SUM: "sum", RED.AVG: "avg", RED.PRODUCT: "prod", RED.MIN: "min", RED.MAX: "max",
@@ -203,9 +204,9 @@ class ProcessGroup(dist.ProcessGroup):
         return where(self.comm.rank, call)
 
     def _work(self, requests, result, staging=None):
-        """Work completed by the background thread once the last of requests (queued in
-        order: it finishes last) has: copies staged outputs back, then sets the future."""
-        future = torch.futures.Future()
+        """A Work completed by the background thread once the last of requests (queued in
+        order: it finishes last) has: staged outputs copied back, then the future set."""
+        work = Work(result, self._ctx)
 
         def done(_):
             try:
@@ -214,15 +215,15 @@ class ProcessGroup(dist.ProcessGroup):
                 if staging is not None:
                     staging.finish()
             except BaseException as exc:  # noqa: B036 - every failure must reach the future
-                future.set_exception(exc)
+                work._finish(exc)
                 return
-            future.set_result(result)
+            work._finish()
 
         if requests:
             requests[-1].add_done_callback(done)
         else:
             done(None)
-        return _create_work_from_future(future)
+        return work
 
     # -- reductions -----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -277,6 +278,9 @@ class ProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
 
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         ctx, staging, reqs = self._ctx("reduce_scatter_tensor_coalesced"), _Staging(), []
@@ -323,6 +327,9 @@ class ProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         return self._allgather_base(output, input, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         ctx, staging, reqs = self._ctx("allgather_into_tensor_coalesced"), _Staging(), []
@@ -394,7 +401,7 @@ class ProcessGroup(dist.ProcessGroup):
     def _p2p(self, request, result, staging=None):
         """A Work that a second thread completes once request has (sends and receives are
         MPI requests, posted already: waiting for them in order blocks nothing)."""
-        future = torch.futures.Future()
+        work = Work(result, self._ctx)
 
         def finish():
             try:
@@ -402,15 +409,15 @@ class ProcessGroup(dist.ProcessGroup):
                 if staging is not None:
                     staging.finish()
             except BaseException as exc:  # noqa: B036
-                future.set_exception(exc)
+                work._finish(exc)
                 return
-            future.set_result(result)
+            work._finish()
 
         with self._lock:
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-torch-p2p")
             self._waiter.submit(finish)
-        return _create_work_from_future(future)
+        return work
 
     def send(self, tensors, dstRank, tag=0):
         ctx = self._ctx("send")
@@ -438,6 +445,60 @@ class ProcessGroup(dist.ProcessGroup):
 
     def abort(self):
         self.shutdown()
+
+
+class Work(dist._Work):
+    """A collective (or send/receive) of the ringcoll group in flight.
+
+    wait() blocks until it has finished and raises ringcoll's error if it failed (a timeout
+    given to wait raises CollectiveTimeoutError if it has not finished by then; the collective
+    itself goes on, under RINGCOLL_TIMEOUT's watchdog). get_future() is completed at the same
+    moment, with the output tensors (result()) or the error.
+    """
+
+    def __init__(self, result, ctx):
+        super().__init__()
+        self._result, self._ctx = result, ctx
+        self._future = torch.futures.Future()
+        self._done = threading.Event()
+        self._error = None
+
+    def _finish(self, error=None):
+        """The background thread's last act: complete the future, then release wait()."""
+        self._error = error
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+        self._done.set()
+
+    def wait(self, timeout=None):
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if not self._done.wait(seconds if seconds > 0 else None):  # torch: 0 means no limit
+            raise CollectiveTimeoutError(
+                f"{self._ctx('wait')}not finished after wait(timeout={seconds:g} s); it goes "
+                "on in the background (RINGCOLL_TIMEOUT's watchdog ends it if it is stuck)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return self._result
+
+    def synchronize(self):
+        """Nothing to do: CPU tensors, and wait() is what blocks."""
 
 
 def _split_rows(t, sizes, p, ctx, which):
