@@ -25,6 +25,7 @@ PREMUL_SUM(f) multiplies the input by f, then sums. CUDA tensors are refused wit
 this backend runs CPU tensors (see docs/torch.md).
 """
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -72,11 +73,23 @@ def create(opts, backend_options=None):
         mpi = world.Create_group(world.Get_group().Incl(ranks))
     seconds = None if opts.timeout == default_pg_timeout else opts.timeout.total_seconds()
     try:
-        comm = Communicator(mpi, timeout=seconds)  # duplicates mpi
+        comm = Communicator(mpi, timeout=seconds, poll=_poll())  # duplicates mpi
     finally:
         if mpi is not world:
             mpi.Free()
     return ProcessGroup(comm, ranks)
+
+
+def _poll():
+    """Seconds between the background thread's tests of a message (RINGCOLL_TORCH_POLL,
+    default 50e-6; 0 blocks inside MPI instead): it waits beside autograd's computation, and
+    MPI's blocking wait would spin on the core that computation needs."""
+    value = os.environ.get("RINGCOLL_TORCH_POLL", "50e-6")
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidArgumentError(f"RINGCOLL_TORCH_POLL={value!r}: give seconds, such as "
+                                   "50e-6, or 0 to block inside MPI") from None
 
 
 # -- tensors <-> NumPy views ----------------------------------------------------------------
