@@ -8,17 +8,18 @@ variables).
 It trains a small CNN (two 3x3 convolutions, max-pool, two linear layers; 71,754 parameters) on
 scikit-learn's handwritten digits (1797 8x8 images shipped with scikit-learn, no download; the
 same 80/20 split as scripts/train_digits.py) with DistributedDataParallel, AdamW, and a
-DistributedSampler that gives every rank its own 1/p of each shuffled epoch. DDP all-reduces
-the gradients in buckets while backward() runs. Rank 0 shows a progress bar on stderr, then
-per epoch the training loss (averaged over every rank's samples with dist.all_reduce), the test
-accuracy (the test set split over the ranks, correct counts summed with dist.all_reduce) and
-the time. At the end every rank hashes its parameters; the hashes are all-gathered and the
-script exits 1 unless every replica is bitwise identical. It reaches > 95% test accuracy
-within 3 epochs.
+DistributedSampler that gives every rank its own 1/p of each shuffled epoch. DDP averages the
+gradients with all-reduces of its buckets (one bucket, for a model this small). Rank 0 shows
+a progress bar on stderr, then per epoch the training loss (averaged over every rank's samples
+with dist.all_reduce), the test accuracy (the test set split over the ranks, correct counts
+summed with dist.all_reduce) and the time. At the end every rank hashes its parameters; the
+hashes are all-gathered and the script exits 1 unless every replica is bitwise identical.
+At -n 4 the test accuracy passes 95% at epoch 3 and ends near 97%; the epochs take 1-2 s on
+2 cores, the whole command about 30 s (four processes importing torch and scikit-learn).
 
 --backend gloo runs the same script on torch's own gloo backend (import ringcoll.torch still
 fills MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE from MPI when they are unset).
-Needs torch and scikit-learn: pip install -e ".[examples]" torch.
+Needs torch and scikit-learn: pip install -e ".[mpich,examples,torch]" (docs/torch.md).
 """
 
 import argparse
