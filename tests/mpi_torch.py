@@ -18,7 +18,9 @@ Options: --groups a,b (run some groups; default: every group of GROUPS, not ERRO
 every group, so a later hang keeps the earlier results), --light (fewer sizes: P=4 on 2 cores),
 --backend gloo (develop the suite against gloo: the same torch.distributed API; the cases gloo
 cannot do are skipped and counted on stdout), --sync-timeout S (a rank that finishes a group waits
-at most S seconds for the others, then the job aborts: a hang becomes a failure).
+at most S seconds for the others, then the job aborts: a hang becomes a failure), --stall-timeout S
+(a watchdog thread: no check and no new call for S seconds, as when every rank is stuck in the
+same collective, prints the call and aborts the job, after rank 0 wrote what it has).
 
 ERROR_GROUPS ("errors": mismatched shapes and dtypes across ranks) run in their own launch, with
 RINGCOLL_DEBUG=1 (tests/test_torch.py sets it), since only debug mode compares calls across ranks.
@@ -96,6 +98,7 @@ class Checker:
         self.failures.setdefault(group, [])
 
     def check(self, ok, msg):
+        progress()
         self.checks[self.group] += 1
         if not ok:
             self.failures[self.group].append(f"rank {RANK}/{P} [{self.group}] {msg}")
@@ -106,6 +109,7 @@ class Checker:
         self.skipped[why] = self.skipped.get(why, 0) + 1
 
     def attempt(self, label, fn):
+        progress(label)
         try:
             return fn()
         except Exception as exc:  # noqa: BLE001 - recorded as a failure
@@ -118,10 +122,12 @@ class Checker:
             return self.check(False, f"{label}: no result")
         g = to_np(got)
         e = np.asarray(expected)
-        if g.dtype == bool or e.dtype == bool:
-            ok = g.dtype == e.dtype and g.shape == e.shape and np.array_equal(g, e)
-            bad = None if ok else (f"got {g.dtype}{g.shape} {summary(g)}, expected "
-                                   f"{e.dtype}{e.shape} {summary(e)}")
+        if g.dtype == bool or e.dtype == bool:  # equal, and every byte 0 or 1 (torch's bools)
+            ok = (g.dtype == e.dtype and g.shape == e.shape and np.array_equal(g, e)
+                  and int(g.view(np.uint8).max(initial=0)) <= 1)
+            bad = None if ok else (f"got {g.dtype}{g.shape} {summary(g)} (bytes "
+                                   f"{summary(g.view(np.uint8))}), expected {e.dtype}{e.shape} "
+                                   f"{summary(e)}")
         else:
             bad = O.compare(g, e, "avg" if op == "AVG" else "sum", e.dtype, nranks=P)
         return self.check(bad is None, f"{label}: {bad}")
@@ -137,6 +143,34 @@ class Checker:
 
 CK = Checker()
 ARGS = None
+LAST = {"t": time.time(), "label": "start"}
+
+
+def progress(label=None):
+    """The watchdog's heartbeat: a check, or the start of a call (its label)."""
+    LAST["t"] = time.time()
+    if label is not None:
+        LAST["label"] = label
+
+
+def watchdog(limit):
+    """No check and no call for `limit` s (every rank stuck in one collective, where the
+    end-of-group sync cannot help): print the call, write what rank 0 has, abort the job."""
+    while True:
+        time.sleep(0.5)
+        idle = time.time() - LAST["t"]
+        if idle > limit:
+            msg = (f"[{CK.group}] no progress for {idle:.0f} s: stuck in {LAST['label']} "
+                   "(a hang)")
+            print(f"rank {RANK}/{P}: {msg}; aborting", file=sys.stderr, flush=True)
+            if RANK == 0 and CK.group is not None:
+                REPORT[CK.group] = {"checks": CK.checks.get(CK.group, 0), "seconds": None,
+                                    "failures": CK.failures.get(CK.group, []) + [
+                                        f"rank {RANK}/{P} {msg}"]}
+                write_report()
+            if RANK != 0:
+                time.sleep(3)  # rank 0 writes the report first
+            WORLD.Abort(1)
 
 
 def short(exc, n=300):
@@ -235,6 +269,7 @@ def dtypes(lst):
 def run(label, mode, fn):
     """fn(async_op) -> Work or None. sync: returns None; wait: work.wait(); future:
     work.get_future().wait(). Returns (ok, future value or None); an exception is a failure."""
+    progress(f"{label} [{mode}]")
     try:
         if mode == "sync":
             w = fn(False)
@@ -1237,7 +1272,9 @@ def main():
     ap.add_argument("--light", action="store_true")
     ap.add_argument("--backend", default="ringcoll", choices=["ringcoll", "gloo"])
     ap.add_argument("--sync-timeout", type=float, default=60.0)
+    ap.add_argument("--stall-timeout", type=float, default=30.0)
     ARGS = ap.parse_args()
+    threading.Thread(target=watchdog, args=(ARGS.stall_timeout,), daemon=True).start()
     groups = ARGS.groups.split(",") if ARGS.groups else GROUPS
     unknown = set(groups) - set(GROUPS) - set(ERROR_GROUPS)
     if unknown:
