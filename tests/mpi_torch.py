@@ -14,9 +14,9 @@ floats that are small integers (sums exact in any order, even in float16/bfloat1
 4 p eps: ringcoll may divide before it sums) and the random-float group (a stated bound).
 
 Options: --groups a,b (run some groups; default: every group of GROUPS, not ERROR_GROUPS),
---report FILE (rank 0 writes {group: {"checks": n, "failures": [...], "seconds": s}} as JSON, after
-every group, so a later hang keeps the earlier results), --light (fewer cases, each size, root,
-mode and form still covered for every dtype: for P=3, 4 on 2 cores),
+--report FILE (rank 0 writes {group: {"checks": n, "failures": [...], "seconds": s, "notes": [...]}}
+as JSON, after every group, so a later hang keeps the earlier results), --light (fewer cases,
+each size, root, mode and form still covered for every dtype: for P=3, 4 on 2 cores),
 --backend gloo (develop the suite against gloo: the same torch.distributed API; the cases gloo
 cannot do are skipped and counted on stdout), --sync-timeout S (a rank that finishes a group waits
 at most S seconds for the others, then the job aborts: a hang becomes a failure), --stall-timeout S
@@ -92,6 +92,11 @@ class Checker:
         self.checks = {}
         self.failures = {}
         self.skipped = {}
+        self.notes = {}
+
+    def note(self, msg):
+        """A measured number worth seeing when the checks pass (rank 0's go to the report)."""
+        self.notes.setdefault(self.group, []).append(msg)
 
     def start(self, group):
         self.group = group
@@ -1141,6 +1146,7 @@ def check_ddp():
                  f"{label}: max |param - one-process reference| = {diff:.3g} (bound {tol:g}); "
                  f"params moved by {moved:.3g} in training")
         if RANK == 0:
+            CK.note(f"{label}: max |param - one-process reference| = {diff:.3g} (bound {tol:g})")
             print(f"mpi_torch P={P} {label}: max |param - reference| = {diff:.3g}", flush=True)
         CK.identical(label + " replicas", mine)
 
@@ -1219,7 +1225,8 @@ def merge(group, seconds):
     every = WORLD.gather((CK.checks.get(group, 0), CK.failures.get(group, [])), root=0)
     if RANK == 0:
         REPORT[group] = {"checks": sum(c for c, _ in every),
-                         "failures": [f for _, fl in every for f in fl], "seconds": seconds}
+                         "failures": [f for _, fl in every for f in fl], "seconds": seconds,
+                         "notes": CK.notes.get(group, [])}
         write_report()
 
 

@@ -7,7 +7,8 @@ all ranks agree bitwise); a second launch at P = 3 runs the "errors" group with
 RINGCOLL_DEBUG=1 (mismatched calls across ranks must raise, not hang). test_torch_launch asserts
 each launch's exit status, test_torch_group reports each group's failures on its own, so one broken
 collective does not hide the others. Every launch has a deadline: a hang kills its process group
-and fails the test. The launches' wall times are printed in pytest's summary.
+and fails the test. The launches' wall times, and what they measured (DDP's distance to its
+one-process reference), are printed in pytest's summary.
 
 The launches inherit no MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE: init_process_group("ringcoll")
 must work without them. To check the oracles themselves, run the worker on gloo:
@@ -47,7 +48,7 @@ _RUNS = {}
 
 
 @pytest.fixture
-def torch_run(tmp_path_factory, mpi_timings):
+def torch_run(tmp_path_factory, mpi_timings, mpi_notes):
     """The (cached) launch of mpi_torch.py at P ranks: kind "main" (GROUPS) or "errors"."""
 
     def get(nprocs, kind="main"):
@@ -70,6 +71,8 @@ def torch_run(tmp_path_factory, mpi_timings):
                                                                     WORKER.name, *extra])
             mpi_timings[what] = secs
             data = json.loads(report.read_text()) if report.exists() else None
+            for group, rep in (data or {}).items():
+                mpi_notes.extend(f"P={nprocs} [{group}] {n}" for n in rep.get("notes", []))
             _RUNS[key] = (rc, out, secs, data)
         return _RUNS[key]
 
