@@ -262,7 +262,7 @@ def gloo_can_reduce(dt, op):
 #: of 2, 3..., not torch's 0/1)
 GLOO_LACKS = {"all_gather uneven", "int16", "complex gather/scatter", "all_to_all list uneven",
               "stacked", "reduce_scatter async", "strided", "complex direct", "raise at the call",
-              "bool bytes"}
+              "bool bytes", "premul"}
 
 
 def backend_lacks(what):
@@ -343,6 +343,7 @@ def check_init(env_before):
 
 
 def check_all_reduce():
+    all_reduce_extras()
     slot = 0
     every_size = sizes(ARGS.light)
     k = 0
@@ -380,6 +381,63 @@ def check_all_reduce():
                                  and to_np(ref).tobytes() == to_np(t).tobytes(),
                                  f"{label}: differs from gloo's result {summary(to_np(ref))}, "
                                  f"got {summary(to_np(t))}")
+
+
+def all_reduce_extras():
+    """0-d tensors, one large tensor, many collectives in flight at once (waited in reverse
+    order), PREMUL_SUM (torch's scaled sum: factor 0.5, exact on these inputs)."""
+    for dt, op in ((torch.float64, "MAX"), (torch.int32, "SUM"), (torch.bool, "MIN")):
+        t = make(1900, RANK, (), dt, op) if dt != torch.bool else torch.tensor(RANK % 2 == 0)
+        inputs = gathered(t)
+        CK.attempt(f"all_reduce 0-d {dt}", lambda: dist.all_reduce(t, op=getattr(R, op)))
+        CK.result(f"all_reduce 0-d {dt} {op}", t, reduce_np(inputs, op, dt), op)
+    n = (1 << 18) if ARGS.light else (1 << 20)
+    t = make(1901, RANK, (n,), torch.float32)
+    inputs = gathered(t)
+    CK.attempt(f"all_reduce float32 n={n}", lambda: dist.all_reduce(t, async_op=True).wait())
+    CK.result(f"all_reduce float32 n={n} SUM", t, reduce_np(inputs, "SUM", torch.float32))
+    CK.identical(f"all_reduce float32 n={n}", t)
+    # in flight together: all_reduces of several dtypes and sizes, and broadcasts
+    cases = [(torch.float32, 1001, "SUM"), (torch.int64, 3, "MAX"), (torch.bfloat16, 17, "SUM"),
+             (torch.uint8, P + 1, "BXOR"), (torch.float64, 5000, "MIN"), (torch.int8, 1, "SUM")]
+    ts = [make(1910 + i, RANK, (m,), dt, op) for i, (dt, m, op) in enumerate(cases)]
+    bs = [make(1930 + i, RANK, (i + 2,), torch.float32) for i in range(P)]
+    ins = [gathered(t) for t in ts]
+    bins = [gathered(b) for b in bs]
+
+    def many():
+        works = []
+        for i, (t, (dt, m, op)) in enumerate(zip(ts, cases)):
+            works.append(dist.all_reduce(t, op=getattr(R, op), async_op=True))
+            if i < P:
+                works.append(dist.broadcast(bs[i], src=i, async_op=True))
+        for w in reversed(works):
+            w.wait()
+    CK.attempt("all_reduce/broadcast, many in flight", many)
+    for i, (t, (dt, m, op)) in enumerate(zip(ts, cases)):
+        CK.result(f"in flight: all_reduce {dt} n={m} {op}", t, reduce_np(ins[i], op, dt), op)
+    for i, b in enumerate(bs[:len(cases)]):
+        CK.result(f"in flight: broadcast src={i}", b, bins[i][i])
+    if backend_lacks("premul"):
+        return
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        for mode in MODES:
+            t = make(1950, RANK, (P + 3,), dt)
+            inputs = gathered(t)
+            label = f"all_reduce PREMUL_SUM(0.5) {dt}"
+            run(label, mode, lambda a: dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5),
+                                                       async_op=a))
+            CK.result(f"{label} [{mode}]", t, (reduce_np(inputs, "SUM", dt).astype(np.float64)
+                                               * 0.5).astype(NP[dt]))
+        x = make(1960, RANK, (2 * P,), dt)
+        every = gathered(x)
+        out = torch.zeros(2, dtype=dt)
+        label = f"reduce_scatter_tensor PREMUL_SUM(0.5) {dt}"
+        CK.attempt(label, lambda: dist.reduce_scatter_tensor(out, x,
+                                                             op=dist._make_nccl_premul_sum(0.5)))
+        want = reduce_np(every, "SUM", dt).astype(np.float64)[2 * RANK:2 * RANK + 2] * 0.5
+        CK.result(label, out, want.astype(NP[dt]))
+        CK.check(to_np(x).tobytes() == every[RANK].tobytes(), f"{label}: input modified")
 
 
 def check_all_reduce_floats():
@@ -624,6 +682,8 @@ def check_reduce_scatter():
                     run(label, mode, lambda a: dist.reduce_scatter(out, ins, op=getattr(R, op),
                                                                    async_op=a))
                     want = reduce_np([every[r][RANK] for r in range(P)], op, dt)
+                    CK.check(all(to_np(x).tobytes() == every[RANK][j].tobytes()
+                                 for j, x in enumerate(ins)), f"{label} [{mode}]: input modified")
                 else:
                     shape = (P, n) if form.endswith("stacked") else (P * n,)
                     x = make(9500 + slot, RANK, shape, dt, op)
@@ -632,6 +692,8 @@ def check_reduce_scatter():
                     run(label, mode, lambda a: dist.reduce_scatter_tensor(
                         out, x, op=getattr(R, op), async_op=a))
                     want = reduce_np([e.reshape(P, n)[RANK] for e in every], op, dt)
+                    CK.check(to_np(x).tobytes() == every[RANK].tobytes(),
+                             f"{label} [{mode}]: input modified")
                 CK.result(label + f" [{mode}]", out, want, op)
 
 
@@ -678,6 +740,8 @@ def check_all_to_all():
                 start = sum(sp[:RANK])
                 parts.append(every[j][start:start + sp[RANK]])
             CK.result(label + f" [{mode}]", out, np.concatenate(parts).reshape(out.shape))
+            CK.check(to_np(x).tobytes() == every[RANK].tobytes(), f"{label} [{mode}]: input "
+                     "modified")
 
 
 def check_gather_scatter():
@@ -697,6 +761,8 @@ def check_gather_scatter():
             if RANK == root:
                 for j in range(P):
                     CK.result(f"{label} [{mode}] from rank {j}", glist[j], inputs[j])
+            CK.check(to_np(t).tobytes() == inputs[RANK].tobytes(), f"{label} [{mode}]: input "
+                     "modified")
             slot += 1
             mode = MODES[slot % 3]
             slist = [make(11500 + slot, j, (n,), dt) for j in range(P)] if RANK == root else None
@@ -706,6 +772,10 @@ def check_gather_scatter():
             run(label, mode, lambda a: dist.scatter(out, scatter_list=slist, src=root,
                                                     async_op=a))
             CK.result(f"{label} [{mode}]", out, everyl[RANK])
+            if RANK == root:
+                CK.check(all(to_np(x).tobytes() == everyl[j].tobytes()
+                             for j, x in enumerate(slist)), f"{label} [{mode}]: scatter_list "
+                         "modified")
 
 
 def check_barrier():
@@ -779,6 +849,34 @@ def check_p2p():
         CK.attempt(label, batch)
         CK.result(label + " from previous", from_prv, gc[prv])
         CK.result(label + " from next", from_nxt, gc[nxt])
+    # several messages to one peer, one tag: received in the order sent (MPI's non-overtaking)
+    xs = [make(12800 + i, RANK, (i + 1,), torch.int64) for i in range(3)]
+    gx = [WORLD.allgather(to_np(x)) for x in xs]
+    outs = [torch.zeros(i + 1, dtype=torch.int64) for i in range(3)]
+
+    def ordered():
+        sends = [dist.isend(x, dst=nxt, tag=5) for x in xs]
+        for w in [dist.irecv(o, src=prv, tag=5) for o in outs] + sends:
+            w.wait()
+    CK.attempt("3 isends to one peer, one tag", ordered)
+    for i in range(3):
+        CK.result(f"3 isends to one peer, one tag: message {i}", outs[i], gx[i][prv])
+    # a send posted before a collective, its receive after it (pipeline parallelism's pattern)
+    x = make(12900, RANK, (7,), torch.float32)
+    y = make(12901, RANK, (5,), torch.float32)
+    gxs, gys = WORLD.allgather(to_np(x)), WORLD.allgather(to_np(y))
+    out = torch.zeros(7)
+
+    def interleaved():
+        s = dist.isend(x, dst=nxt, tag=9)
+        dist.all_reduce(y)
+        r = dist.irecv(out, src=prv, tag=9)
+        r.wait()
+        s.wait()
+    CK.attempt("isend, all_reduce, then irecv", interleaved)
+    CK.result("isend, all_reduce, then irecv: the message", out, gxs[prv])
+    CK.result("isend, all_reduce, then irecv: the all_reduce", y,
+              reduce_np(gys, "SUM", torch.float32))
     # recv from any source: returns the sender's rank
     t = torch.tensor([RANK * 10 + 1], dtype=torch.int64)
     if RANK == 0:
