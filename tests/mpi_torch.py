@@ -262,7 +262,7 @@ def gloo_can_reduce(dt, op):
 #: of 2, 3..., not torch's 0/1)
 GLOO_LACKS = {"all_gather uneven", "int16", "complex gather/scatter", "all_to_all list uneven",
               "stacked", "reduce_scatter async", "strided", "complex direct", "raise at the call",
-              "bool bytes", "premul"}
+              "bool bytes", "premul", "all_to_all_single non-contiguous"}
 
 
 def backend_lacks(what):
@@ -933,17 +933,16 @@ def check_noncontig():
             CK.result(label + f" [{mode}] vs the contiguous call", view, to_np(contig))
             CK.result(label + f" [{mode}] base", base, want.T)
             # a strided view: every other element of a 1-d tensor
-            if backend_lacks("strided"):
-                continue
-            flat = make(13100 + slot, RANK, (2 * (P + 3),), dt)
-            gaps = to_np(flat)[1::2].copy()
-            view = flat[::2]
-            inputs = WORLD.allgather(to_np(view))
-            label = f"all_reduce strided [::2] {dt}"
-            run(label, mode, lambda a: dist.all_reduce(view, async_op=a))
-            CK.result(label + f" [{mode}]", view, reduce_np(inputs, "SUM", dt))
-            CK.check(to_np(flat)[1::2].tobytes() == gaps.tobytes(),
-                     f"{label} [{mode}]: elements between the strided ones changed")
+            if not backend_lacks("strided"):
+                flat = make(13100 + slot, RANK, (2 * (P + 3),), dt)
+                gaps = to_np(flat)[1::2].copy()
+                view = flat[::2]
+                inputs = WORLD.allgather(to_np(view))
+                label = f"all_reduce strided [::2] {dt}"
+                run(label, mode, lambda a: dist.all_reduce(view, async_op=a))
+                CK.result(label + f" [{mode}]", view, reduce_np(inputs, "SUM", dt))
+                CK.check(to_np(flat)[1::2].tobytes() == gaps.tobytes(),
+                         f"{label} [{mode}]: elements between the strided ones changed")
             for root in range(P):
                 base = make(13200 + slot + root, RANK, (4, 7), dt)
                 view = base.t()
@@ -968,6 +967,27 @@ def check_noncontig():
                           to_np(cont[j]))
             CK.check(not to_np(buf[:, :, 1::2]).astype(bool).any(),
                      f"{label} [{mode}]: the gaps of the output buffer were written")
+            # reduce_scatter_tensor into a strided output, all_to_all_single of a transposed input
+            if not backend_lacks("strided"):
+                x = make(13400 + slot, RANK, (P * 3,), dt)
+                every = gathered(x)
+                buf = torch.zeros(6, dtype=dt)
+                label = f"reduce_scatter_tensor into a strided [::2] output {dt}"
+                run(label, mode, lambda a: dist.reduce_scatter_tensor(buf[::2], x, async_op=a))
+                CK.result(f"{label} [{mode}]", buf[::2],
+                          reduce_np(every, "SUM", dt)[3 * RANK:3 * RANK + 3])
+                CK.check(not to_np(buf[1::2]).astype(bool).any(),
+                         f"{label} [{mode}]: the gaps of the output were written")
+            if backend_lacks("all_to_all_single non-contiguous"):
+                continue
+            base = make(13500 + slot, RANK, (2, P * 2), dt)
+            view = base.t()  # (2P, 2), rows 2r, 2r+1 go to rank r
+            every = WORLD.allgather(to_np(view))
+            out = torch.zeros((P * 2, 2), dtype=dt)
+            label = f"all_to_all_single of a transposed input {dt}"
+            run(label, mode, lambda a: dist.all_to_all_single(out, view, async_op=a))
+            CK.result(f"{label} [{mode}]", out,
+                      np.concatenate([e[2 * RANK:2 * RANK + 2] for e in every]))
 
 
 def check_unsupported():
@@ -1082,6 +1102,15 @@ def check_subgroups():
         CK.result(f"{label} reduce_scatter_tensor", out,
                   reduce_np(every, "SUM", torch.int64)[2 * me:2 * me + 2])
         CK.attempt(f"{label} barrier", lambda: dist.barrier(group=g))
+        objs = [None] * len(order)
+        CK.attempt(f"{label} all_gather_object", lambda: dist.all_gather_object(objs, obj(RANK),
+                                                                                group=g))
+        CK.check(objs == [obj(r) for r in order], f"{label} all_gather_object: {objs}")
+        lst = [obj(order[-1])] if RANK == order[-1] else [None]
+        CK.attempt(f"{label} broadcast_object_list", lambda: dist.broadcast_object_list(
+            lst, src=order[-1], group=g))
+        CK.check(lst == [obj(order[-1])], f"{label} broadcast_object_list src={order[-1]} "
+                 f"(global): {lst}")
         sub.Free()
     # the default group still works after the sub-groups
     t = torch.ones(4, dtype=torch.int64)
@@ -1123,6 +1152,14 @@ def check_device_mesh():
         CK.attempt(f"mesh dim {name} all_gather_into_tensor",
                    lambda: dist.all_gather_into_tensor(out, x, group=g))
         CK.result(f"mesh dim {name} {line} all_gather_into_tensor", out, np.concatenate(every))
+        import torch.distributed._functional_collectives as fc
+
+        x = make(15200 + dim, RANK, (4,), torch.int64)
+        every = sub.allgather(to_np(x))
+        y = CK.attempt(f"mesh dim {name} funcol all_reduce",
+                       lambda: fc.wait_tensor(fc.all_reduce(x, "sum", (mesh, dim))))
+        CK.result(f"mesh dim {name} {line} funcol all_reduce group=(mesh, {dim})", y,
+                  reduce_np(every, "SUM", torch.int64))
         sub.Free()
 
 
