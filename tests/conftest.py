@@ -38,6 +38,16 @@ def mpi_timings(request):
     return request.config.stash.setdefault(_TIMINGS, {})
 
 
+_NOTES = pytest.StashKey()
+
+
+@pytest.fixture
+def mpi_notes(request):
+    """[lines] measured by the launches (e.g. DDP's distance to its reference), printed after
+    the run even when the tests pass."""
+    return request.config.stash.setdefault(_NOTES, [])
+
+
 def pytest_terminal_summary(terminalreporter, config):
     timings = config.stash.get(_TIMINGS, None)
     if timings:
@@ -45,3 +55,8 @@ def pytest_terminal_summary(terminalreporter, config):
         for what, secs in timings.items():
             terminalreporter.write_line(f"{secs:7.1f} s  {what}")
         terminalreporter.write_line(f"{sum(timings.values()):7.1f} s  total")
+    notes = config.stash.get(_NOTES, None)
+    if notes:
+        terminalreporter.section("mpiexec launches (measured)")
+        for line in notes:
+            terminalreporter.write_line(line)

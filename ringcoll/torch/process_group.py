@@ -25,6 +25,7 @@ PREMUL_SUM(f) multiplies the input by f, then sums. CUDA tensors are refused wit
 this backend runs CPU tensors (see docs/torch.md).
 """
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,8 @@ def _array(t, ctx):
 
 def _bytes(t):
     """The bytes of contiguous CPU tensor t, as a 1-D uint8 NumPy view (any dtype)."""
+    if t.numel() == 0:  # (an empty tensor may have stride 0, which view() refuses)
+        return np.empty(0, np.uint8)
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
@@ -146,7 +149,9 @@ class _Staging:
         def copy():
             start = 0
             for o, n in zip(outs, counts):
-                o.copy_(torch.from_numpy(buf[start:start + n]).view(o.dtype).reshape(o.shape))
+                if n:  # (an empty block: nothing to copy, and no byte view of it to take)
+                    o.copy_(torch.from_numpy(buf[start:start + n]).view(o.dtype)
+                            .reshape(o.shape))
                 start += n
         self.later.append(copy)
 
@@ -174,6 +179,21 @@ def _premul(op, t, keep=False):
     if isinstance(op, dist.ReduceOp) and op.op == RED.PREMUL_SUM:
         return t * op.factor if keep else t.mul_(op.factor)
     return t
+
+
+def _collective(name):
+    """A ProcessGroup method that runs ringcoll's collective `name`: an error at the call (a
+    bad tensor, a tensor torch cannot view) is raised through comm.refuse, so in debug mode
+    (RINGCOLL_DEBUG=1) the other ranks raise PeerFailedError instead of waiting for this one."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args):
+            try:
+                return method(self, *args)
+            except Exception as exc:  # noqa: BLE001 - raised again, after the others are told
+                self.comm.refuse(name, exc)
+        return call
+    return wrap
 
 
 # -- the group ----------------------------------------------------------------------------
@@ -239,6 +259,7 @@ class ProcessGroup(dist.ProcessGroup):
         return work
 
     # -- reductions -----------------------------------------------------------------------
+    @_collective("allreduce")
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         ctx, staging, reqs = self._ctx("allreduce"), _Staging(), []
@@ -251,6 +272,7 @@ class ProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts or dist.AllreduceCoalescedOptions())
 
+    @_collective("reduce")
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
         ctx, staging, reqs = self._ctx("reduce"), _Staging(), []
@@ -270,6 +292,7 @@ class ProcessGroup(dist.ProcessGroup):
         return self.comm.ireduce_scatter(_array(flat, ctx).reshape(-1), name,
                                          out=_array(c, ctx).reshape(-1), counts=counts)
 
+    @_collective("reduce_scatter")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         ctx, staging, reqs = self._ctx("reduce_scatter"), _Staging(), []
@@ -281,6 +304,7 @@ class ProcessGroup(dist.ProcessGroup):
                                                   counts=[i.numel() for i in ins], keep=False))
         return self._work(reqs, output_tensors, staging)
 
+    @_collective("reduce_scatter")
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         ctx, staging = self._ctx("reduce_scatter_tensor"), _Staging()
@@ -294,6 +318,7 @@ class ProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
+    @_collective("reduce_scatter")
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         ctx, staging, reqs = self._ctx("reduce_scatter_tensor_coalesced"), _Staging(), []
@@ -303,6 +328,7 @@ class ProcessGroup(dist.ProcessGroup):
         return self._work(reqs, outputs, staging)
 
     # -- data movement: bytes of any dtype ------------------------------------------------
+    @_collective("broadcast")
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
         ctx, staging, reqs = self._ctx("broadcast"), _Staging(), []
@@ -323,6 +349,7 @@ class ProcessGroup(dist.ProcessGroup):
         return self.comm.igather(src, root, out=buf if self.comm.rank == root else None,
                                  counts=counts if self.comm.rank == root else None)
 
+    @_collective("allgather")
     def allgather(self, output_tensors, input_tensors, opts=None):
         ctx, staging, reqs = self._ctx("allgather"), _Staging(), []
         for outs, inp in zip(output_tensors, input_tensors):
@@ -332,6 +359,7 @@ class ProcessGroup(dist.ProcessGroup):
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
+    @_collective("allgather")
     def _allgather_base(self, output, input, opts=None):
         ctx, staging = self._ctx("all_gather_into_tensor"), _Staging()
         src = _bytes(staging.contiguous(input, ctx, output=False))
@@ -344,6 +372,7 @@ class ProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
+    @_collective("allgather")
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         ctx, staging, reqs = self._ctx("allgather_into_tensor_coalesced"), _Staging(), []
         for out, inp in zip(outputs, inputs):
@@ -351,6 +380,7 @@ class ProcessGroup(dist.ProcessGroup):
             reqs.append(self.comm.iallgather(src, out=_bytes(staging.contiguous(out, ctx))))
         return self._work(reqs, outputs, staging)
 
+    @_collective("gather")
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
         ctx, staging = self._ctx("gather"), _Staging()
@@ -362,6 +392,7 @@ class ProcessGroup(dist.ProcessGroup):
         req = self._gather_into(outs, input_tensors[0], ctx, staging, root=root)
         return self._work([req], output_tensors, staging)
 
+    @_collective("scatter")
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
         ctx, staging = self._ctx("scatter"), _Staging()
@@ -379,6 +410,7 @@ class ProcessGroup(dist.ProcessGroup):
         req = self.comm.iscatter(x, root, counts=counts, out=_bytes(staging.contiguous(out, ctx)))
         return self._work([req], output_tensors, staging)
 
+    @_collective("alltoallv")
     def alltoall(self, output_tensors, input_tensors, opts=None):
         ctx, staging = self._ctx("alltoall"), _Staging()
         for t in [*output_tensors, *input_tensors]:
@@ -392,6 +424,7 @@ class ProcessGroup(dist.ProcessGroup):
         req = self.comm.ialltoallv(x, counts, out=buf, recv_counts=recv)
         return self._work([req], output_tensors, staging)
 
+    @_collective("alltoallv")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         ctx, staging = self._ctx("all_to_all_single"), _Staging()
         p = self.comm.size
