@@ -1,4 +1,5 @@
-"""The README's mpi4py drop-in examples run as they stand, under mpiexec at 1 and 3 ranks.
+"""The README's mpi4py drop-in examples and its PyTorch example run as they stand, under
+mpiexec at 1 and 3 ranks.
 
 Every ```python block of the "mpi4py code" section that asserts something is written to a file
 and launched; each must exit 0 (a failed assert on any rank fails the launch).
@@ -36,3 +37,22 @@ def test_readme_example_runs(index, nprocs, tmp_path):
     rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
                                   timeout=120)
     assert rc == 0, f"README example {code.splitlines()[0]!r} at -n {nprocs}:\n{out[-3000:]}"
+
+
+def torch_example():
+    text = (mpirun.ROOT / "README.md").read_text()
+    start = text.index("### PyTorch: the `torch.distributed` backend")
+    section = text[start:text.index("\n### ", start + 1)]
+    (block,) = [b for b in re.findall(r"```python\n(.*?)```", section, re.S) if "assert" in b]
+    return block
+
+
+@pytest.mark.parametrize("nprocs", [1, 3])
+def test_readme_torch_example_runs(nprocs, tmp_path):
+    pytest.importorskip("torch", reason="the README's PyTorch example needs torch: pip install "
+                        "-e '.[torch]'")
+    script = tmp_path / "example.py"
+    script.write_text(torch_example())
+    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
+                                  timeout=120)
+    assert rc == 0, f"README PyTorch example at -n {nprocs}:\n{out[-3000:]}"
