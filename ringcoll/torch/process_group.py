@@ -100,8 +100,8 @@ def _cpu(t, ctx):
     if t.device.type != "cpu":
         raise InvalidTypeError(
             f"{ctx}a tensor on {t.device}: the ringcoll backend runs CPU tensors; move it with "
-            ".cpu(), or give CUDA tensors to a CUDA backend (dist.init_process_group("
-            "'cpu:ringcoll,cuda:nccl'))")
+            ".cpu() (and the result back), or run CUDA tensors on a group of a CUDA backend "
+            "(dist.new_group(backend='nccl'))")
     if t.layout != torch.strided:
         raise InvalidTypeError(f"{ctx}a {t.layout} tensor: ringcoll sends dense (strided) "
                                "tensors only; call .to_dense() first")
