@@ -22,7 +22,7 @@ At the end it checks the unsharded state and exits 1 if any check fails:
 
 At -n 4 it passes 95% test accuracy at epoch 3, as the DDP example does (their losses agree
 to 3-4 digits: the same model, data and seed); the 6 epochs took 6-16 s on the 2-core
-development VM while other jobs ran, the whole command 30-40 s.
+development VM (the more other jobs ran, the longer), the whole command 20-40 s.
 
 --backend gloo runs the same script on torch's own gloo backend.
 Needs torch and scikit-learn: pip install -e ".[mpich,examples,torch]" (docs/torch.md).
