@@ -18,6 +18,7 @@ must work without them. To check the oracles themselves, run the worker on gloo:
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -122,3 +123,17 @@ def test_worker_groups_match():
     """The groups listed here are exactly the ones mpi_torch.py runs."""
     assert _worker_list("GROUPS") == GROUPS
     assert _worker_list("ERROR_GROUPS") == ERROR_GROUPS
+
+
+@pytest.mark.parametrize("script, nprocs", [("scripts/torch_ddp_digits.py", 3),
+                                            ("scripts/torch_fsdp_digits.py", 2)])
+def test_torch_example_scripts_run(script, nprocs, mpi_timings):
+    """The PyTorch examples train and end with their own replica checks (exit 1 if replicas or
+    shards differ): two epochs here, with the accuracy they print rising above chance."""
+    pytest.importorskip("sklearn", reason="the examples load scikit-learn's digits")
+    rc, out, secs = mpirun.launch(nprocs, [script, "-q", "--epochs", "2"],
+                                  env={"RINGCOLL_TIMEOUT": "60"}, timeout=240)
+    mpi_timings[f"{script} -n {nprocs}"] = secs
+    assert rc == 0, out[-4000:]
+    accuracies = [float(a) for a in re.findall(r"^epoch .* test accuracy\s+([\d.]+)%", out, re.M)]
+    assert len(accuracies) == 2 and accuracies[-1] > 50, out[-4000:]
