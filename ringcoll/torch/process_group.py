@@ -236,6 +236,16 @@ class ProcessGroup(dist.ProcessGroup):
     def _ctx(self, call):
         return where(self.comm.rank, call)
 
+    def _start(self, opts, collective, *args, **kwargs):
+        """comm.<collective>(...) for a call torch waits for at once (opts.asyncOp False:
+        dist.all_reduce(t) and the others without async_op=True), run here and now (behind any
+        pending non-blocking ones: the Communicator keeps call order), so a small blocking call
+        pays no hand-off to the background thread; else comm.i<collective>(...) on it (DDP's
+        buckets, async_op=True, and calls from C++)."""
+        if opts is not None and not opts.asyncOp:
+            return _Done(getattr(self.comm, collective)(*args, **kwargs))
+        return getattr(self.comm, "i" + collective)(*args, **kwargs)
+
     def _work(self, requests, result, staging=None):
         """A Work completed by the background thread once the last of requests (queued in
         order: it finishes last) has: staged outputs copied back, then the future set."""
@@ -266,7 +276,7 @@ class ProcessGroup(dist.ProcessGroup):
         for t in tensors:
             name = _op_name(opts.reduceOp, t.dtype, ctx)
             x = _array(_premul(opts.reduceOp, staging.contiguous(t, ctx)), ctx)
-            reqs.append(self.comm.iallreduce(x, name, out=x))
+            reqs.append(self._start(opts, "allreduce", x, name, out=x))
         return self._work(reqs, tensors, staging)
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -281,7 +291,8 @@ class ProcessGroup(dist.ProcessGroup):
             name = _op_name(opts.reduceOp, t.dtype, ctx)
             c = _premul(opts.reduceOp, staging.contiguous(t, ctx, output=root), keep=not root)
             x = _array(c, ctx)
-            reqs.append(self.comm.ireduce(x, name, opts.rootRank, out=x if root else None))
+            reqs.append(self._start(opts, "reduce", x, name, opts.rootRank,
+                                    out=x if root else None))
         return self._work(reqs, tensors, staging)
 
     def _reduce_scatter_into(self, out, flat, opts, ctx, staging, counts=None, keep=True):
@@ -289,7 +300,7 @@ class ProcessGroup(dist.ProcessGroup):
         c = staging.contiguous(out, ctx)
         name = _op_name(opts.reduceOp, flat.dtype, ctx)
         flat = _premul(opts.reduceOp, flat, keep)
-        return self.comm.ireduce_scatter(_array(flat, ctx).reshape(-1), name,
+        return self._start(opts, "reduce_scatter", _array(flat, ctx).reshape(-1), name,
                                          out=_array(c, ctx).reshape(-1), counts=counts)
 
     @_collective("reduce_scatter")
@@ -333,10 +344,11 @@ class ProcessGroup(dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         ctx, staging, reqs = self._ctx("broadcast"), _Staging(), []
         for t in tensors:
-            reqs.append(self.comm.ibroadcast(_bytes(staging.contiguous(t, ctx)), opts.rootRank))
+            x = _bytes(staging.contiguous(t, ctx))
+            reqs.append(self._start(opts, "broadcast", x, opts.rootRank))
         return self._work(reqs, tensors, staging)
 
-    def _gather_into(self, outs, inp, ctx, staging, root=None):
+    def _gather_into(self, outs, inp, ctx, staging, opts, root=None):
         """All-gather (root None) or gather of inp's bytes into the list outs, rank order."""
         src = _bytes(staging.contiguous(inp, ctx, output=False))
         for o in outs:
@@ -345,15 +357,15 @@ class ProcessGroup(dist.ProcessGroup):
         buf = np.empty(sum(counts), np.uint8)
         staging.unpack(buf, outs, counts)
         if root is None:
-            return self.comm.iallgather(src, out=buf, counts=counts)
-        return self.comm.igather(src, root, out=buf if self.comm.rank == root else None,
+            return self._start(opts, "allgather", src, out=buf, counts=counts)
+        return self._start(opts, "gather", src, root, out=buf if self.comm.rank == root else None,
                                  counts=counts if self.comm.rank == root else None)
 
     @_collective("allgather")
     def allgather(self, output_tensors, input_tensors, opts=None):
         ctx, staging, reqs = self._ctx("allgather"), _Staging(), []
         for outs, inp in zip(output_tensors, input_tensors):
-            reqs.append(self._gather_into(outs, inp, ctx, staging))
+            reqs.append(self._gather_into(outs, inp, ctx, staging, opts))
         return self._work(reqs, output_tensors, staging)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
@@ -363,7 +375,7 @@ class ProcessGroup(dist.ProcessGroup):
     def _allgather_base(self, output, input, opts=None):
         ctx, staging = self._ctx("all_gather_into_tensor"), _Staging()
         src = _bytes(staging.contiguous(input, ctx, output=False))
-        req = self.comm.iallgather(src, out=_bytes(staging.contiguous(output, ctx)))
+        req = self._start(opts, "allgather", src, out=_bytes(staging.contiguous(output, ctx)))
         return self._work([req], [output], staging)
 
     def all_gather_single(self, output, input, opts=None):
@@ -377,7 +389,8 @@ class ProcessGroup(dist.ProcessGroup):
         ctx, staging, reqs = self._ctx("allgather_into_tensor_coalesced"), _Staging(), []
         for out, inp in zip(outputs, inputs):
             src = _bytes(staging.contiguous(inp, ctx, output=False))
-            reqs.append(self.comm.iallgather(src, out=_bytes(staging.contiguous(out, ctx))))
+            dst = _bytes(staging.contiguous(out, ctx))
+            reqs.append(self._start(opts, "allgather", src, out=dst))
         return self._work(reqs, outputs, staging)
 
     @_collective("gather")
@@ -389,7 +402,7 @@ class ProcessGroup(dist.ProcessGroup):
         if self.comm.rank == root and len(outs) != self.comm.size:
             raise InvalidArgumentError(f"{ctx}root needs {self.comm.size} output tensors, got "
                                        f"{len(outs)}")
-        req = self._gather_into(outs, input_tensors[0], ctx, staging, root=root)
+        req = self._gather_into(outs, input_tensors[0], ctx, staging, opts, root=root)
         return self._work([req], output_tensors, staging)
 
     @_collective("scatter")
@@ -407,7 +420,8 @@ class ProcessGroup(dist.ProcessGroup):
                 _cpu(i, ctx)
             x = np.concatenate([_bytes(i.contiguous()) for i in ins])
             counts = [i.numel() * i.element_size() for i in ins]
-        req = self.comm.iscatter(x, root, counts=counts, out=_bytes(staging.contiguous(out, ctx)))
+        dst = _bytes(staging.contiguous(out, ctx))
+        req = self._start(opts, "scatter", x, root, counts=counts, out=dst)
         return self._work([req], output_tensors, staging)
 
     @_collective("alltoallv")
@@ -421,7 +435,7 @@ class ProcessGroup(dist.ProcessGroup):
         recv = [o.numel() * o.element_size() for o in output_tensors]
         buf = np.empty(sum(recv), np.uint8)
         staging.unpack(buf, output_tensors, recv)
-        req = self.comm.ialltoallv(x, counts, out=buf, recv_counts=recv)
+        req = self._start(opts, "alltoallv", x, counts, out=buf, recv_counts=recv)
         return self._work([req], output_tensors, staging)
 
     @_collective("alltoallv")
@@ -433,7 +447,7 @@ class ProcessGroup(dist.ProcessGroup):
         rows_in, rows_out = _split_rows(src, input_split_sizes, p, ctx, "input"), \
             _split_rows(dst, output_split_sizes, p, ctx, "output")
         x, y = _rows(src), _rows(dst)
-        req = self.comm.ialltoallv(x, rows_in, out=y, recv_counts=rows_out)
+        req = self._start(opts, "alltoallv", x, rows_in, out=y, recv_counts=rows_out)
         return self._work([req], [output], staging)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
@@ -441,7 +455,7 @@ class ProcessGroup(dist.ProcessGroup):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def barrier(self, opts=None):
-        return self._work([self.comm.ibarrier()], [])
+        return self._work([self._start(opts, "barrier")], [])
 
     # -- point-to-point -------------------------------------------------------------------
     def _p2p(self, request, result, staging=None):
@@ -491,6 +505,19 @@ class ProcessGroup(dist.ProcessGroup):
 
     def abort(self):
         self.shutdown()
+
+
+class _Done:
+    """A collective that has run already: a Request as ringcoll's i-forms return."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait(self):
+        return self.result
+
+    def add_done_callback(self, fn):
+        fn(self)
 
 
 class Work(dist._Work):
