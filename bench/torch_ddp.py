@@ -396,7 +396,7 @@ def run_config(args, nprocs, width, limits):
             result, out, wall = run_launch(worker_argv(args, nprocs, width, mode), env,
                                            args.launch_timeout)
             if result is None:
-                wrong.append(f"{mode} launch {rep + 1} failed")
+                wrong.append(f"FAILED: {mode} launch {rep + 1}")
                 print(f"# {rep + 1:>6} {mode:<9} FAILED after {wall:.1f} s; its output:")
                 print(tail(out))
                 continue
@@ -414,7 +414,7 @@ def run_config(args, nprocs, width, limits):
                           f"grad rel err {result['grad_rel_err']:.1e}"
                           f"{'' if result['grad_rel_err'] <= 1e-5 else ' (> 1e-5: WRONG)'}")
                 if not ok:
-                    wrong.append(f"{mode} launch {rep + 1}: {checks}")
+                    wrong.append(f"WRONG: {mode} launch {rep + 1}: {checks}")
             per_rank = " ".join(f"{1e3 * t:.2f}" for t in result["step_s_per_rank"])
             print(f"# {rep + 1:>6} {mode:<9} {1e3 * result['step_s']:>10.2f} {per_rank:<24} "
                   f"{wall:>8.1f}  {checks}", flush=True)
@@ -424,7 +424,7 @@ def run_config(args, nprocs, width, limits):
         result, out, wall = run_launch(worker_argv(args, nprocs, width, mode, True), env,
                                        args.launch_timeout)
         if result is None:
-            wrong.append(f"{mode} --timeline launch failed")
+            wrong.append(f"FAILED: {mode} --timeline launch")
             print(f"# {mode} timeline launch FAILED; its output:")
             print(tail(out))
         elif not result.get("skipped"):
@@ -508,7 +508,7 @@ def driver(args):
                       indent=1)
             f.write("\n")
     for w in wrong:
-        print(f"# WRONG: {w}")
+        print(f"# {w}")
     for x in misses:
         print(f"# target MISSED: {x}")
     if wrong:
@@ -535,7 +535,8 @@ def parse(argv=None):
     ap.add_argument("--repeats", type=int, default=5, help="launches per mode (default 5)")
     ap.add_argument("--steps", type=int, default=None,
                     help="timed steps per launch (default 100 at width <= 2048, else 30)")
-    ap.add_argument("--warmup", type=int, default=10, help="untimed steps first (default 10)")
+    ap.add_argument("--warmup", type=int, default=10,
+                    help="untimed steps first, at least 2 (default 10)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch.set_num_threads in every mode (default cores // nprocs, >= 1)")
     ap.add_argument("--batch", type=int, default=32)
@@ -569,9 +570,9 @@ def parse(argv=None):
         args.timeline = tuple(m.strip() for m in args.timeline.split(",") if m.strip())
         if any(m not in ("gloo", "ringcoll") for m in args.timeline):
             ap.error("--timeline takes gloo, ringcoll or both")
-    if args.repeats < 1 or args.warmup < 1 or (args.steps is not None and args.steps < 1):
-        ap.error("need --repeats >= 1, --warmup >= 1 (the first step holds the checks) and "
-                 "--steps >= 1")
+    if args.repeats < 1 or args.warmup < 2 or (args.steps is not None and args.steps < 1):
+        ap.error("need --repeats >= 1, --warmup >= 2 (the first step holds the checks, the "
+                 "second DDP's bucket rebuild) and --steps >= 1")
     if any("=" not in kv for kv in args.env):
         ap.error("--env takes KEY=VALUE")
     if args.worker is not None and args.threads is None:
