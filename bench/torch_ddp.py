@@ -387,7 +387,7 @@ def run_config(args, nprocs, width, limits):
     print(f"# launch: {shlex.join(cmd)}")
     times = {m: [] for m in args.modes}
     info, wrong, skipped, seen = {}, [], None, set()
-    print(f"# {'launch':>6} {'mode':<9} {'step (ms)':>10} {'per rank (ms)':<24} "
+    print(f"# {'launch':>6} {'mode':<9} {'step (ms)':>10} {'per rank (ms)':<30} "
           f"{'wall (s)':>8}  checks")
     for rep in range(args.repeats):
         for mode in args.modes:
@@ -416,7 +416,7 @@ def run_config(args, nprocs, width, limits):
                 if not ok:
                     wrong.append(f"WRONG: {mode} launch {rep + 1}: {checks}")
             per_rank = " ".join(f"{1e3 * t:.2f}" for t in result["step_s_per_rank"])
-            print(f"# {rep + 1:>6} {mode:<9} {1e3 * result['step_s']:>10.2f} {per_rank:<24} "
+            print(f"# {rep + 1:>6} {mode:<9} {1e3 * result['step_s']:>10.2f} {per_rank:<30} "
                   f"{wall:>8.1f}  {checks}", flush=True)
     for mode in args.timeline:
         if mode == "ringcoll" and skipped:
