@@ -11,6 +11,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=["ringcoll", "ringcoll.algorithms", "ringcoll.collectives", "ringcoll.parallel",
+              "ringcoll.torch",
               "ringcoll.transport",
               "ringcoll.kernels"],
     package_dir={"ringcoll.kernels": "kernels"},
@@ -23,6 +24,9 @@ setup(
                  "matplotlib"],
         "bench": ["matplotlib"],
         "examples": ["scikit-learn"],
+        # the PyTorch backend (ringcoll.torch) and its tests: the CPU-only build, from
+        # https://download.pytorch.org/whl/cpu where the package index lacks it (docs/torch.md)
+        "torch": ["torch==2.13.0+cpu"],
         "cuda": ["cupy"],  # CuPy from source (builds against the local CUDA toolkit)
         "gpu": ["cupy-cuda13x"],  # CuPy wheels for a CUDA 13 driver (docs/gpu.md)
         "gpu-cuda12": ["cupy-cuda12x"],  # ... for a CUDA 12 driver
