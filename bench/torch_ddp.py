@@ -42,6 +42,11 @@ bucket's all-reduce was handed over (the hook's call) and when its future comple
 in ms after backward began, next to when backward ended: overlap is visible as buckets that
 finish before backward ends.
 
+cpu/wall (per launch, max over ranks): the CPU time of all the rank's threads over the timed
+steps divided by their wall time; above the torch thread count, something else (a
+communication thread polling, say) kept a core busy; well below 1, other jobs starved the rank
+(the timings are then noise).
+
 Threads: torch.set_num_threads(--threads) in every mode alike (default: cores // nprocs, at
 least 1), and OMP_NUM_THREADS the same. RINGCOLL_* variables of the caller's environment are
 dropped from the launches (listed in the header); --env KEY=VALUE passes one on purpose.
@@ -229,6 +234,8 @@ def _worker(args, mode, world, MPI, origin):
 
     steps, marks, grad_err = [], [], None
     for i in range(args.warmup + args.steps):
+        if i == args.warmup:  # the CPU time of the timed span, every thread of this process
+            cpu0, wall0 = time.process_time(), time.perf_counter()
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
         del timeline[:]
@@ -244,6 +251,7 @@ def _worker(args, mode, world, MPI, origin):
         if i >= args.warmup:
             steps.append(t3 - t0)
             marks = [(t0, t1, t2, t3), sorted(timeline)]  # the last step's timeline is kept
+    busy = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     final_loss = float(loss)
 
     median = statistics.median(steps)
@@ -258,11 +266,13 @@ def _worker(args, mode, world, MPI, origin):
     errs = world.gather(grad_err, root=0)
     lines = world.gather(marks if args.timeline else None, root=0)
     losses = world.gather(final_loss, root=0)
+    busies = world.gather(busy, root=0)
     if rank == 0:
         mpi_version = MPI.Get_library_version().strip().splitlines()[0]
         out = {"mode": mode, "nprocs": p, "width": args.width,
                "params": sum(t.numel() for t in model.parameters()),
                "step_s": max(medians), "step_s_per_rank": medians,
+               "cpu_over_wall": max(busies), "cpu_over_wall_per_rank": busies,
                "steps": args.steps, "warmup": args.warmup,
                "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
                "mpi_library_version": mpi_version, "final_loss": losses,
@@ -388,7 +398,7 @@ def run_config(args, nprocs, width, limits):
     times = {m: [] for m in args.modes}
     info, wrong, skipped, seen = {}, [], None, set()
     print(f"# {'launch':>6} {'mode':<9} {'step (ms)':>10} {'per rank (ms)':<30} "
-          f"{'wall (s)':>8}  checks")
+          f"{'cpu/wall':>8} {'wall (s)':>8}  checks")
     for rep in range(args.repeats):
         for mode in args.modes:
             if mode == "ringcoll" and skipped:
@@ -417,7 +427,7 @@ def run_config(args, nprocs, width, limits):
                     wrong.append(f"WRONG: {mode} launch {rep + 1}: {checks}")
             per_rank = " ".join(f"{1e3 * t:.2f}" for t in result["step_s_per_rank"])
             print(f"# {rep + 1:>6} {mode:<9} {1e3 * result['step_s']:>10.2f} {per_rank:<30} "
-                  f"{wall:>8.1f}  {checks}", flush=True)
+                  f"{result['cpu_over_wall']:>8.2f} {wall:>8.1f}  {checks}", flush=True)
     for mode in args.timeline:
         if mode == "ringcoll" and skipped:
             continue
@@ -479,6 +489,8 @@ def driver(args):
           f"{', '.join(args.modes)}")
     print("# step = median over timed steps of forward+backward+optimizer step, max over "
           "ranks; per mode: median over launches")
+    print("# cpu/wall = CPU time of all a rank's threads over the timed steps / their wall "
+          "time, max over ranks (1.0: one core busy the whole time)")
     print(f"# RINGCOLL_* dropped from the launches: {', '.join(dropped) or '(none set)'}; "
           f"--env: {' '.join(args.env) or '(none)'}")
     print("#")
