@@ -62,6 +62,10 @@ class Communicator:
             them through pinned host memory; None (default) asks the MPI library
             (MPIX_Query_cuda_support) (RINGCOLL_CUDA_AWARE=1/0).
         staging_bytes: chunk size of that staging (RINGCOLL_STAGING_BYTES; default 1 MiB).
+        poll: over MPI, wait for messages by testing them with sleeps of this many seconds in
+            between (e.g. 50e-6) instead of blocking inside MPI, which spins on a core; for
+            collectives that run beside computation on the same cores (ringcoll.torch sets
+            it). None (default): block inside MPI, the lowest latency.
 
     Example::
 
@@ -72,7 +76,7 @@ class Communicator:
 
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
                  debug=None, timeout=None, cost_model=None, tuning=None, transport=None,
-                 cuda_aware=None, staging_bytes=None):
+                 cuda_aware=None, staging_bytes=None, poll=None):
         options = Options.from_env(algorithm=algorithm, local_size=local_size,
                                    segment_bytes=segment_bytes, debug=debug, tuning=tuning,
                                    timeout=timeout, cuda_aware=cuda_aware,
@@ -87,14 +91,16 @@ class Communicator:
         table = resolve_tuning(options.tuning, builtin=transport is None
                                or hasattr(transport, "native_allreduce"))
         if transport is None:
-            from .transport.mpi import MPITransport  # only the MPI path needs mpi4py
+            # only the MPI path needs mpi4py
+            from .transport.mpi import MPITransport, PollingMPITransport
 
             if comm is None:
                 from mpi4py import MPI
 
                 comm = MPI.COMM_WORLD
-            seconds = options.timeout
-            transport = MPITransport(comm, timeout=MPI_TIMEOUT if seconds is None else seconds)
+            seconds = MPI_TIMEOUT if options.timeout is None else options.timeout
+            transport = (MPITransport(comm, timeout=seconds) if not poll else
+                         PollingMPITransport(comm, timeout=seconds, poll=poll))
         elif comm is not None:
             raise InvalidArgumentError("pass either an MPI communicator or a transport, not both")
         self.rank, self.size = transport.rank, transport.size

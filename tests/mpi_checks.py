@@ -138,7 +138,9 @@ def mpi_reference(x, op):
 # ---------------------------------------------------------------------------------------------
 def make_comms():
     comms = {"world": ringcoll.Communicator(),
-             "ls2_seg64": ringcoll.Communicator(local_size=2, segment_bytes=64)}
+             "ls2_seg64": ringcoll.Communicator(local_size=2, segment_bytes=64),
+             # every blocking wait tested with sleeps in between (PollingMPITransport)
+             "polling": ringcoll.Communicator(segment_bytes=256, poll=50e-6)}
     os.environ["RINGCOLL_LOCAL_SIZE"] = "3"
     try:
         comms["env_ls3"] = ringcoll.Communicator()

@@ -9,9 +9,11 @@ collectives. Each method here turns the call into ringcoll ones:
   A non-contiguous one is staged once (``t.contiguous()``) and its result copied back;
 - the collective is queued on the Communicator's background thread (its i-form), so it runs
   while the caller computes, every collective of the group in call order;
-- the returned Work is torch's own wrapping of a torch Future that the background thread
-  completes (with the output tensors, or with ringcoll's error), so ``wait()``,
-  ``get_future()`` and the futures DDP's comm hooks chain on behave as torch's do.
+- the returned Work (a torch Work subclass) holds a torch Future that the background thread
+  completes, with the output tensors or with ringcoll's error: ``wait()`` raises that error,
+  and ``get_future()`` is what DDP's comm hooks chain on. (torch's own wrapping of a future,
+  _create_work_from_future, is no use here: its wait() returns True for a failed future, and
+  its future's wait() returns the exception instead of raising it.)
 
 Point-to-point sends and receives are posted at once (MPI requests) and a second thread waits
 for them in order, completing their futures; a receive names its source (ringcoll has no
@@ -23,18 +25,18 @@ PREMUL_SUM(f) multiplies the input by f, then sums. CUDA tensors are refused wit
 this backend runs CPU tensors (see docs/torch.md).
 """
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 from torch.distributed.constants import default_pg_timeout
 
 from ..arrays import BFLOAT16
 from ..communicator import Communicator
-from ..errors import InvalidArgumentError, InvalidTypeError, where
+from ..errors import CollectiveTimeoutError, InvalidArgumentError, InvalidTypeError, where
 
 RED = dist.ReduceOp.RedOpType
 _OPS = {RED.SUM: "sum", RED.AVG: "avg", RED.PRODUCT: "prod", RED.MIN: "min", RED.MAX: "max",
@@ -55,11 +57,12 @@ def create(opts, backend_options=None):
     rank, size = opts.group_rank, opts.group_size
     if ranks == list(range(world.size)) or not opts.global_ranks_in_group:  # the whole world
         if size != world.size or rank != world.rank:
+            fix = (f"launch with mpiexec -n {size}, or drop world_size= (and WORLD_SIZE)"
+                   if size != world.size else "drop rank= (and the RANK variable)")
             raise InvalidArgumentError(
                 f"ringcoll rank {world.rank}, init_process_group: torch was given rank {rank} "
                 f"of world_size {size}, but MPI runs this process as rank {world.rank} of "
-                f"{world.size}; ringcoll's ranks are MPI's: launch with mpiexec -n {size}, or "
-                "drop rank=/world_size= (and the RANK/WORLD_SIZE variables)")
+                f"{world.size}; ringcoll's ranks are MPI's: {fix}")
         mpi = world
     else:
         if ranks.index(world.rank) != rank:
@@ -70,11 +73,23 @@ def create(opts, backend_options=None):
         mpi = world.Create_group(world.Get_group().Incl(ranks))
     seconds = None if opts.timeout == default_pg_timeout else opts.timeout.total_seconds()
     try:
-        comm = Communicator(mpi, timeout=seconds)  # duplicates mpi
+        comm = Communicator(mpi, timeout=seconds, poll=_poll())  # duplicates mpi
     finally:
         if mpi is not world:
             mpi.Free()
     return ProcessGroup(comm, ranks)
+
+
+def _poll():
+    """Seconds between the background thread's tests of a message (RINGCOLL_TORCH_POLL,
+    default 50e-6; 0 blocks inside MPI instead): it waits beside autograd's computation, and
+    MPI's blocking wait would spin on the core that computation needs."""
+    value = os.environ.get("RINGCOLL_TORCH_POLL", "50e-6")
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidArgumentError(f"RINGCOLL_TORCH_POLL={value!r}: give seconds, such as "
+                                   "50e-6, or 0 to block inside MPI") from None
 
 
 # -- tensors <-> NumPy views ----------------------------------------------------------------
@@ -176,9 +191,24 @@ class ProcessGroup(dist.ProcessGroup):
         self.ranks = ranks  # global (MPI) ranks of the members, in group order
         self._waiter = None  # the thread that completes point-to-point Works, once needed
         self._lock = threading.Lock()
+        self._group_name = self._group_desc = ""
 
     def getBackendName(self):
         return "ringcoll"
+
+    # torch names its groups (DeviceMesh and the functional collectives find them by name);
+    # a Python group keeps its own, as it has no C++ backend to keep them in
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupName(self):
+        return self._group_name
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def getGroupDesc(self):
+        return self._group_desc
 
     def __repr__(self):
         return f"ringcoll.torch.ProcessGroup(rank {self.comm.rank} of {self.comm.size})"
@@ -187,9 +217,9 @@ class ProcessGroup(dist.ProcessGroup):
         return where(self.comm.rank, call)
 
     def _work(self, requests, result, staging=None):
-        """Work completed by the background thread once the last of requests (queued in
-        order: it finishes last) has: copies staged outputs back, then sets the future."""
-        future = torch.futures.Future()
+        """A Work completed by the background thread once the last of requests (queued in
+        order: it finishes last) has: staged outputs copied back, then the future set."""
+        work = Work(result, self._ctx)
 
         def done(_):
             try:
@@ -198,15 +228,15 @@ class ProcessGroup(dist.ProcessGroup):
                 if staging is not None:
                     staging.finish()
             except BaseException as exc:  # noqa: B036 - every failure must reach the future
-                future.set_exception(exc)
+                work._finish(exc)
                 return
-            future.set_result(result)
+            work._finish()
 
         if requests:
             requests[-1].add_done_callback(done)
         else:
             done(None)
-        return _create_work_from_future(future)
+        return work
 
     # -- reductions -----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -261,6 +291,9 @@ class ProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=None):
         return self._reduce_scatter_base(output, input, opts)
 
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
+
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or dist.ReduceScatterOptions()
         ctx, staging, reqs = self._ctx("reduce_scatter_tensor_coalesced"), _Staging(), []
@@ -307,6 +340,9 @@ class ProcessGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         return self._allgather_base(output, input, opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         ctx, staging, reqs = self._ctx("allgather_into_tensor_coalesced"), _Staging(), []
@@ -378,7 +414,7 @@ class ProcessGroup(dist.ProcessGroup):
     def _p2p(self, request, result, staging=None):
         """A Work that a second thread completes once request has (sends and receives are
         MPI requests, posted already: waiting for them in order blocks nothing)."""
-        future = torch.futures.Future()
+        work = Work(result, self._ctx)
 
         def finish():
             try:
@@ -386,15 +422,15 @@ class ProcessGroup(dist.ProcessGroup):
                 if staging is not None:
                     staging.finish()
             except BaseException as exc:  # noqa: B036
-                future.set_exception(exc)
+                work._finish(exc)
                 return
-            future.set_result(result)
+            work._finish()
 
         with self._lock:
             if self._waiter is None:
                 self._waiter = ThreadPoolExecutor(1, thread_name_prefix="ringcoll-torch-p2p")
             self._waiter.submit(finish)
-        return _create_work_from_future(future)
+        return work
 
     def send(self, tensors, dstRank, tag=0):
         ctx = self._ctx("send")
@@ -422,6 +458,60 @@ class ProcessGroup(dist.ProcessGroup):
 
     def abort(self):
         self.shutdown()
+
+
+class Work(dist._Work):
+    """A collective (or send/receive) of the ringcoll group in flight.
+
+    wait() blocks until it has finished and raises ringcoll's error if it failed (a timeout
+    given to wait raises CollectiveTimeoutError if it has not finished by then; the collective
+    itself goes on, under RINGCOLL_TIMEOUT's watchdog). get_future() is completed at the same
+    moment, with the output tensors (result()) or the error.
+    """
+
+    def __init__(self, result, ctx):
+        super().__init__()
+        self._result, self._ctx = result, ctx
+        self._future = torch.futures.Future()
+        self._done = threading.Event()
+        self._error = None
+
+    def _finish(self, error=None):
+        """The background thread's last act: complete the future, then release wait()."""
+        self._error = error
+        if error is None:
+            self._future.set_result(self._result)
+        else:
+            self._future.set_exception(error)
+        self._done.set()
+
+    def wait(self, timeout=None):
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if not self._done.wait(seconds if seconds > 0 else None):  # torch: 0 means no limit
+            raise CollectiveTimeoutError(
+                f"{self._ctx('wait')}not finished after wait(timeout={seconds:g} s); it goes "
+                "on in the background (RINGCOLL_TIMEOUT's watchdog ends it if it is stuck)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def get_future(self):
+        return self._future
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self):
+        return self._result
+
+    def synchronize(self):
+        """Nothing to do: CPU tensors, and wait() is what blocks."""
 
 
 def _split_rows(t, sizes, p, ctx, which):
