@@ -444,7 +444,7 @@ def run_config(args, nprocs, width, limits):
     med = {m: statistics.median(v) for m, v in times.items() if v}
     summary = {"nprocs": nprocs, "width": width, "params": info.get("params"),
                "median_s": med, "launch_s": times, "wrong": wrong, "skipped": skipped,
-               "misses": [], "ratios": {}}
+               "misses": [], "ratios": {}, "judged": 0}
     print(f"# {'mode':<9} {'median step (ms)':>16}   launches (ms)")
     for m in args.modes:
         if m in med:
@@ -456,6 +456,7 @@ def run_config(args, nprocs, width, limits):
             continue
         ratio = med["ringcoll"] / med[other]
         summary["ratios"][other] = ratio
+        summary["judged"] += limit is not None
         verdict = "" if limit is None else f" (target <= {limit:.2f}: " + \
             ("PASS)" if ratio <= limit else "MISS)")
         if limit is not None and ratio > limit:
@@ -530,7 +531,9 @@ def driver(args):
         return 2
     if misses:
         return 3
-    print("# all targets met" if any(s["ratios"] for s in summaries) else "# no target judged")
+    judged = sum(s["judged"] for s in summaries)
+    print(f"# all {judged} targets met" if judged else "# no target judged (none for this "
+          "configuration: --target-none / --target-gloo set one)")
     return 0
 
 
