@@ -584,12 +584,11 @@ def _type_name(dtype):
 
 
 class Table:
-    """nccl-tests layout: one row per algorithm, one column group per mode."""
+    """nccl-tests layout: one row per algorithm, one column group per mode. The last column
+    is each row's ratio_to_native, headed ratio_label."""
 
-    GROUP = ("time", "algbw", "busbw", "#wrong", "vsMPI")
-
-    def __init__(self, modes, label_width):
-        self.modes, self.w = modes, max(label_width, 9)
+    def __init__(self, modes, label_width, ratio_label="vsMPI"):
+        self.modes, self.w, self.ratio_label = modes, max(label_width, 9), ratio_label
 
     def header(self):
         lead = f"{'size':>12} {'count':>12} {'type':>8} {'redop':>6} {'root':>5}  " \
@@ -598,7 +597,8 @@ class Table:
         top = " " * len(lead)
         for m in self.modes:
             top += f"  {m:^45}"
-            lead += "  " + f"{'time':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>8} {'vsMPI':>8}"
+            lead += "  " + (f"{'time':>9} {'algbw':>8} {'busbw':>8} {'#wrong':>8} "
+                            f"{self.ratio_label:>8}")
             unit += "  " + f"{'(us)':>9} {'(GB/s)':>8} {'(GB/s)':>8} {'':>8} {'':>8}"
         return [("#" + line[1:]).rstrip() for line in (top, lead, unit)]
 

@@ -67,3 +67,40 @@ def test_pipeline_bubble_bench_runs_and_checks_every_gradient(tmp_path):
         assert rows == [("gpipe", 2, 1), ("gpipe", 2, 3), ("1f1b", 2, 1), ("1f1b", 2, 3)]
         assert all(r["wrong"] == 0 for r in data["rows"]), data["rows"]
         assert [r["peak_in_flight_stage0"] for r in data["rows"]] == [1, 3, 1, 2]
+
+
+def test_torch_allreduce_bench_runs_and_checks_every_result(tmp_path):
+    """bench/torch_allreduce.py at -n 2 on tiny sizes: both groups timed, every check 0."""
+    pytest.importorskip("torch")
+    out = tmp_path / "torch_allreduce.json"
+    rc, log, _ = launch(2, ["-b", "8", "-e", "64K", "-f", "32", "--budget", "0.05", "-q",
+                            "--json", str(out)], timeout=180, script="bench/torch_allreduce.py")
+    assert rc == 0, log
+    data = json.loads(out.read_text())
+    assert data["exit_status"] == 0 and data["wrong_total"] == 0, log
+    assert {r["algorithm"] for r in data["results"]} == {"ringcoll", "gloo"}, log
+    assert len({r["size"] for r in data["results"]}) == 3, log
+
+
+def test_torch_ddp_bench_runs_every_mode_and_checks_the_replicas(tmp_path):
+    """bench/torch_ddp.py's driver, one short launch per mode: each trains, the DDP modes'
+    replicas agree and their gradients match the reference; timings are not judged (exit 3
+    allowed)."""
+    pytest.importorskip("torch")
+    import subprocess
+    import sys
+
+    from _mpirun import ROOT
+
+    out = tmp_path / "ddp.json"
+    proc = subprocess.run([sys.executable, "bench/torch_ddp.py", "--nprocs", "2", "--width",
+                           "64", "--repeats", "1", "--steps", "3", "--warmup", "2",
+                           "--target-none", "1.1", "--target-gloo", "0.7", "--timeline",
+                           "--launch-timeout", "120", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode in (0, 3), log
+    (config,) = json.loads(out.read_text())["configs"]
+    assert not config["wrong"] and not config["skipped"], log
+    assert set(config["median_s"]) == {"gloo", "ringcoll", "none"}, log
+    assert "bucket" in log and "backward ended at" in log, log  # the timeline table
