@@ -24,7 +24,7 @@ LAYERS = [
     {"messages"},
     {"communicator"},
     {"__init__", "__main__", "compat", "inprocess", "distributed", "checkpoint", "compression",
-     "optim", "mesh", "parallel", "explain", "tune", "netsim", "tuning_default"},
+     "optim", "mesh", "parallel", "explain", "tune", "netsim", "tuning_default", "torch"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
@@ -82,12 +82,14 @@ def test_imports_point_down(path):
     assert not upward, f"{'.'.join(own)} (layer {layer_of(own)}) imports upward: {upward}"
 
 
-def test_front_ends_use_the_facade_only():
-    """compat.py calls the Communicator's public methods; it never builds plans or touches
-    transports, runners or sides."""
-    source = (PACKAGE / "compat.py").read_text()
+@pytest.mark.parametrize("front_end", ["compat.py", "torch/process_group.py"])
+def test_front_ends_use_the_facade_only(front_end):
+    """The front-ends (compat.py for mpi4py, torch/ for torch.distributed) call the
+    Communicator's public methods; they never build plans or touch transports, runners or
+    sides."""
+    source = (PACKAGE / front_end).read_text()
     for forbidden in (r"\._runner\b", r"\._g\b", r"\._messages\b", r"\._t\b", r"\bPlan\(",
                       "transport"):
-        assert not re.search(forbidden, source), f"compat.py mentions {forbidden!r}"
-    assert [".".join(t) for t in imported(PACKAGE / "compat.py")] == [
+        assert not re.search(forbidden, source), f"{front_end} mentions {forbidden!r}"
+    assert [".".join(t) for t in imported(PACKAGE / front_end)] == [
         "arrays", "communicator", "errors"]
