@@ -206,11 +206,9 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
-def build_parser(spec):
-    p = _Parser(prog=f"bench/{spec.name}.py",
-                description=f"nccl-tests-style benchmark of ringcoll {spec.name} against the "
-                            "MPI library's own collective, timed in the same run.",
-                epilog="Example: mpiexec -n 4 python bench/%s.py -b 8 -e 64M -f 2" % spec.name)
+def add_sweep_arguments(p):
+    """nccl-tests' size sweep and iteration options (-b -e -f -i -n -w), shared by every
+    benchmark that sweeps sizes."""
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
                    help="smallest size in bytes (K/M/G suffixes; default 8)")
     p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
@@ -227,6 +225,14 @@ def build_parser(spec):
                         "see --budget)")
     p.add_argument("-w", "--warmup_iters", type=int, default=10,
                    help="warm-up iterations per size, at most (default 10)")
+
+
+def build_parser(spec):
+    p = _Parser(prog=f"bench/{spec.name}.py",
+                description=f"nccl-tests-style benchmark of ringcoll {spec.name} against the "
+                            "MPI library's own collective, timed in the same run.",
+                epilog="Example: mpiexec -n 4 python bench/%s.py -b 8 -e 64M -f 2" % spec.name)
+    add_sweep_arguments(p)
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="check every result against the exact answer (default 1)")
     single_node = SimpleNamespace(nodes=[[0]], size=1, rank=0)

@@ -38,7 +38,8 @@ import traceback
 
 import numpy as np
 from harness import (IN, WORLD, Case, Gloo, Run, Spec, Table, UsageError, _type_name,
-                     make_sizes, measure, parse_size, resolve_dtype, results_for_size)
+                     add_sweep_arguments, make_sizes, measure, parse_size, resolve_dtype,
+                     results_for_size)
 from mpi4py import MPI
 
 BACKENDS = ("ringcoll", "gloo")
@@ -72,19 +73,7 @@ def build_parser():
         prog="bench/torch_allreduce.py",
         description="torch.distributed all_reduce: ringcoll's backend against Gloo, same job.",
         epilog="Example: mpiexec -n 2 python bench/torch_allreduce.py -b 8 -e 64M -f 2")
-    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("8"),
-                   help="smallest size in bytes (K/M/G suffixes; default 8)")
-    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"),
-                   help="largest size in bytes (default 64M)")
-    p.add_argument("-f", "--stepfactor", type=int, default=2,
-                   help="multiply the size by this each step (default 2; 1 = use -i)")
-    p.add_argument("-i", "--stepbytes", type=parse_size, default=parse_size("1M"),
-                   help="add this many bytes each step when -f is 1 (default 1M)")
-    p.add_argument("-n", "--iters", type=int, default=100,
-                   help="timed iterations per size, at most (default 100; fewer at large sizes, "
-                        "see --budget)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=10,
-                   help="warm-up iterations per size, at most (default 10)")
+    add_sweep_arguments(p)
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
                    help="check the first call of each group at each size (default 1)")
     p.add_argument("-d", "--dtype", default="float32", help="default float32")

@@ -77,8 +77,8 @@ def parameter_hash(model):
     return torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv, description):
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--backend", default="ringcoll", help="torch.distributed backend")
     ap.add_argument("--epochs", type=int, default=6)
     ap.add_argument("--batch", type=int, default=32, help="per rank")
@@ -86,28 +86,26 @@ def main(argv=None):
     ap.add_argument("--weight-decay", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    torch.set_num_threads(1)
-    dist.init_process_group(args.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
 
+def rank_data(args, rank, world):
+    """(sampler, loader, x_test, y_test): every rank's own 1/p of each shuffled training
+    epoch, and its own share of the test images."""
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
     train = TensorDataset(x_train, y_train)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
-    x_test, y_test = x_test[rank::world], y_test[rank::world]  # this rank's share
+    return sampler, loader, x_test[rank::world], y_test[rank::world]
 
-    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's)
-    model = DDP(DigitsCNN())
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    n_params = sum(p.numel() for p in model.parameters())
-    if rank == 0:
-        print(f"{world} rank(s), backend {dist.get_backend()}, {n_params} parameters, "
-              f"{len(train)} training images, {len(loader)} steps of {args.batch} per rank "
-              f"per epoch", flush=True)
 
+def train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank):
+    """The training loop both examples run; returns (test accuracy, this rank's test
+    predictions, seconds). The parallel wrapper's collectives happen inside model(x) and
+    backward(): DDP all-reduces the gradients, bucket by bucket, during backward; FSDP
+    all-gathers each layer's parameters before its forward and backward and reduce-scatters
+    its gradients. The loss and accuracy sums are the script's own dist.all_reduce calls."""
     show = rank == 0 and not args.quiet
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
@@ -117,7 +115,7 @@ def main(argv=None):
         for step, (x, y) in enumerate(loader, 1):
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
-            loss.backward()  # DDP all-reduces the gradients, bucket by bucket, meanwhile
+            loss.backward()
             opt.step()
             totals += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
             if show:
@@ -128,9 +126,10 @@ def main(argv=None):
         train_loss = (totals[0] / totals[1]).item()
 
         model.eval()
-        with torch.no_grad():
-            correct = (model(x_test).argmax(dim=1) == y_test).sum()
-        counts = torch.tensor([correct.item(), len(y_test)], dtype=torch.int64)
+        with torch.no_grad():  # every rank runs one forward (FSDP: its all-gathers pair up)
+            predicted = model(x_test).argmax(dim=1)
+        counts = torch.tensor([(predicted == y_test).sum().item(), len(y_test)],
+                              dtype=torch.int64)
         dist.all_reduce(counts)
         accuracy = counts[0].item() / counts[1].item()
         if show:
@@ -138,6 +137,25 @@ def main(argv=None):
         if rank == 0:
             print(f"epoch {epoch:2d}  {time.perf_counter() - start:5.1f} s  train loss "
                   f"{train_loss:.4f}  test accuracy {100 * accuracy:5.1f}%", flush=True)
+    return accuracy, predicted, time.perf_counter() - start
+
+
+def main(argv=None):
+    args = parse_args(argv, __doc__.splitlines()[0])
+    torch.set_num_threads(1)
+    dist.init_process_group(args.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sampler, loader, x_test, y_test = rank_data(args, rank, world)
+
+    torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's)
+    model = DDP(DigitsCNN())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    n_params = sum(p.numel() for p in model.parameters())
+    if rank == 0:
+        print(f"{world} rank(s), backend {dist.get_backend()}, {n_params} parameters, "
+              f"{len(sampler.dataset)} training images, {len(loader)} steps of {args.batch} "
+              f"per rank per epoch", flush=True)
+    accuracy, _, seconds = train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank)
 
     hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(hashes, parameter_hash(model.module))
@@ -145,7 +163,7 @@ def main(argv=None):
     if rank == 0:
         shown = [f"{h.item() & (2**64 - 1):016x}" for h in (hashes[:1] if identical else hashes)]
         print(f"final test accuracy {100 * accuracy:.2f}% after {args.epochs} epochs "
-              f"({time.perf_counter() - start:.1f} s); the {world} replicas are "
+              f"({seconds:.1f} s); the {world} replicas are "
               f"{'bitwise identical' if identical else 'NOT identical'} "
               f"(parameter hash{'' if identical else 'es by rank'}: {', '.join(shown)})",
               flush=True)

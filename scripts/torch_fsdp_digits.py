@@ -28,11 +28,9 @@ development VM (the more other jobs ran, the longer), the whole command 20-40 s.
 Needs torch and scikit-learn: pip install -e ".[mpich,examples,torch]" (docs/torch.md).
 """
 
-import argparse
 import hashlib
 import os
 import sys
-import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per rank: the ranks fill the cores
 
@@ -41,10 +39,10 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.checkpoint.state_dict import (  # noqa: E402
     StateDictOptions, get_model_state_dict)
 from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset  # noqa: E402
 
 import ringcoll.torch  # noqa: E402,F401  registers backend "ringcoll"; rank and size from MPI
-from torch_ddp_digits import DigitsCNN, load_digits_split  # noqa: E402  (this directory)
+from torch_ddp_digits import (  # noqa: E402  (this directory)
+    DigitsCNN, parse_args, rank_data, train_epochs)
 
 
 def state_hash(state):
@@ -57,26 +55,11 @@ def state_hash(state):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--backend", default="ringcoll", help="torch.distributed backend")
-    ap.add_argument("--epochs", type=int, default=6)
-    ap.add_argument("--batch", type=int, default=32, help="per rank")
-    ap.add_argument("--lr", type=float, default=1e-2)
-    ap.add_argument("--weight-decay", type=float, default=1e-2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    args = ap.parse_args(argv)
-
+    args = parse_args(argv, __doc__.splitlines()[0])
     torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-
-    x_train, y_train, x_test_all, y_test_all = load_digits_split(args.seed)
-    train = TensorDataset(x_train, y_train)
-    sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
-                                 seed=args.seed)
-    loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
-    x_test, y_test = x_test_all[rank::world], y_test_all[rank::world]  # this rank's share
+    sampler, loader, x_test, y_test = rank_data(args, rank, world)
 
     torch.manual_seed(args.seed)  # the same full weights on every rank before sharding
     model = DigitsCNN()
@@ -92,37 +75,8 @@ def main(argv=None):
               f"{n_local} of them on rank 0; {len(loader)} steps of {args.batch} per rank "
               f"per epoch", flush=True)
 
-    show = rank == 0 and not args.quiet
-    start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
-        model.train()
-        totals = torch.zeros(2, dtype=torch.float64)  # [sum of losses, number of samples]
-        for step, (x, y) in enumerate(loader, 1):
-            opt.zero_grad(set_to_none=True)
-            loss = torch.nn.functional.cross_entropy(model(x), y)  # all-gathers, layer by layer
-            loss.backward()  # all-gathers again, and reduce-scatters the gradients
-            opt.step()  # AdamW on this rank's shards only
-            totals += torch.tensor([loss.item() * len(y), len(y)], dtype=torch.float64)
-            if show:
-                done = 30 * step // len(loader)
-                print(f"\repoch {epoch:2d} [{'#' * done}{'.' * (30 - done)}] "
-                      f"{step}/{len(loader)}", end="", file=sys.stderr, flush=True)
-        dist.all_reduce(totals)
-        train_loss = (totals[0] / totals[1]).item()
-
-        model.eval()
-        with torch.no_grad():  # every rank runs one forward: its all-gathers must pair up
-            predicted = model(x_test).argmax(dim=1)
-        counts = torch.tensor([(predicted == y_test).sum().item(), len(y_test)])
-        dist.all_reduce(counts)
-        accuracy = counts[0].item() / counts[1].item()
-        if show:
-            print("\r" + " " * 60 + "\r", end="", file=sys.stderr, flush=True)
-        if rank == 0:
-            print(f"epoch {epoch:2d}  {time.perf_counter() - start:5.1f} s  train loss "
-                  f"{train_loss:.4f}  test accuracy {100 * accuracy:5.1f}%", flush=True)
-    seconds = time.perf_counter() - start
+    accuracy, predicted, seconds = train_epochs(model, opt, sampler, loader, x_test, y_test,
+                                                args, rank)
 
     failures = []
     # 1. the full (unsharded) state dict, gathered on every rank, is the same everywhere

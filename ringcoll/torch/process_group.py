@@ -301,7 +301,7 @@ class ProcessGroup(dist.ProcessGroup):
         name = _op_name(opts.reduceOp, flat.dtype, ctx)
         flat = _premul(opts.reduceOp, flat, keep)
         return self._start(opts, "reduce_scatter", _array(flat, ctx).reshape(-1), name,
-                                         out=_array(c, ctx).reshape(-1), counts=counts)
+                           out=_array(c, ctx).reshape(-1), counts=counts)
 
     @_collective("reduce_scatter")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
@@ -316,27 +316,28 @@ class ProcessGroup(dist.ProcessGroup):
         return self._work(reqs, output_tensors, staging)
 
     @_collective("reduce_scatter")
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def _reduce_scatter_tensors(self, outputs, inputs, opts, call):
+        """reduce_scatter_tensor and its coalesced form: input i's blocks, reduced, into
+        output i."""
         opts = opts or dist.ReduceScatterOptions()
-        ctx, staging = self._ctx("reduce_scatter_tensor"), _Staging()
-        flat = staging.contiguous(input, ctx, output=False)
-        req = self._reduce_scatter_into(output, flat, opts, ctx, staging)
-        return self._work([req], [output], staging)
-
-    def reduce_scatter_single(self, output, input, opts=None):
-        return self._reduce_scatter_base(output, input, opts)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
-
-    @_collective("reduce_scatter")
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
-        ctx, staging, reqs = self._ctx("reduce_scatter_tensor_coalesced"), _Staging(), []
+        ctx, staging, reqs = self._ctx(call), _Staging(), []
         for out, inp in zip(outputs, inputs):
             flat = staging.contiguous(inp, ctx, output=False)
             reqs.append(self._reduce_scatter_into(out, flat, opts, ctx, staging))
         return self._work(reqs, outputs, staging)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        return self._reduce_scatter_tensors([output], [input], opts, "reduce_scatter_tensor")
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._reduce_scatter_tensors(outputs, inputs, opts,
+                                            "reduce_scatter_tensor_coalesced")
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self.reduce_scatter_tensor_coalesced(outputs, inputs, opts)
 
     # -- data movement: bytes of any dtype ------------------------------------------------
     @_collective("broadcast")
@@ -353,13 +354,14 @@ class ProcessGroup(dist.ProcessGroup):
         src = _bytes(staging.contiguous(inp, ctx, output=False))
         for o in outs:
             _cpu(o, ctx)
-        counts = [o.numel() * o.element_size() for o in outs]
+        counts = [o.nbytes for o in outs]
         buf = np.empty(sum(counts), np.uint8)
         staging.unpack(buf, outs, counts)
         if root is None:
             return self._start(opts, "allgather", src, out=buf, counts=counts)
-        return self._start(opts, "gather", src, root, out=buf if self.comm.rank == root else None,
-                                 counts=counts if self.comm.rank == root else None)
+        on_root = self.comm.rank == root
+        return self._start(opts, "gather", src, root, out=buf if on_root else None,
+                           counts=counts if on_root else None)
 
     @_collective("allgather")
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -372,26 +374,28 @@ class ProcessGroup(dist.ProcessGroup):
         return self.allgather(output_lists, input_list, opts)
 
     @_collective("allgather")
-    def _allgather_base(self, output, input, opts=None):
-        ctx, staging = self._ctx("all_gather_into_tensor"), _Staging()
-        src = _bytes(staging.contiguous(input, ctx, output=False))
-        req = self._start(opts, "allgather", src, out=_bytes(staging.contiguous(output, ctx)))
-        return self._work([req], [output], staging)
-
-    def all_gather_single(self, output, input, opts=None):
-        return self._allgather_base(output, input, opts)
-
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
-
-    @_collective("allgather")
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        ctx, staging, reqs = self._ctx("allgather_into_tensor_coalesced"), _Staging(), []
+    def _allgather_tensors(self, outputs, inputs, opts, call):
+        """all_gather_into_tensor and its coalesced form: every rank's input i, in rank
+        order, straight into output i."""
+        ctx, staging, reqs = self._ctx(call), _Staging(), []
         for out, inp in zip(outputs, inputs):
             src = _bytes(staging.contiguous(inp, ctx, output=False))
             dst = _bytes(staging.contiguous(out, ctx))
             reqs.append(self._start(opts, "allgather", src, out=dst))
         return self._work(reqs, outputs, staging)
+
+    def _allgather_base(self, output, input, opts=None):
+        return self._allgather_tensors([output], [input], opts, "all_gather_into_tensor")
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._allgather_base(output, input, opts)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        return self._allgather_tensors(outputs, inputs, opts,
+                                       "allgather_into_tensor_coalesced")
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self.allgather_into_tensor_coalesced(outputs, inputs, opts)
 
     @_collective("gather")
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -419,7 +423,7 @@ class ProcessGroup(dist.ProcessGroup):
             for i in ins:
                 _cpu(i, ctx)
             x = np.concatenate([_bytes(i.contiguous()) for i in ins])
-            counts = [i.numel() * i.element_size() for i in ins]
+            counts = [i.nbytes for i in ins]
         dst = _bytes(staging.contiguous(out, ctx))
         req = self._start(opts, "scatter", x, root, counts=counts, out=dst)
         return self._work([req], output_tensors, staging)
@@ -431,8 +435,8 @@ class ProcessGroup(dist.ProcessGroup):
             _cpu(t, ctx)
         x = np.concatenate([_bytes(i.contiguous()) for i in input_tensors]) if input_tensors \
             else np.empty(0, np.uint8)
-        counts = [i.numel() * i.element_size() for i in input_tensors]
-        recv = [o.numel() * o.element_size() for o in output_tensors]
+        counts = [i.nbytes for i in input_tensors]
+        recv = [o.nbytes for o in output_tensors]
         buf = np.empty(sum(recv), np.uint8)
         staging.unpack(buf, output_tensors, recv)
         req = self._start(opts, "alltoallv", x, counts, out=buf, recv_counts=recv)

@@ -190,8 +190,11 @@ class MPITransport(Transport):
     def split(self, color, key):
         """A transport over the ranks with the same color (None: this rank takes no part)."""
         sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
-        return (None if sub == MPI.COMM_NULL
-                else MPITransport(sub, dup=False, timeout=self.timeout))
+        return None if sub == MPI.COMM_NULL else self._over(sub)
+
+    def _over(self, comm):
+        """A transport like this one over comm (a sub-communicator it owns)."""
+        return MPITransport(comm, dup=False, timeout=self.timeout)
 
     def node_ids(self):
         """For every rank, an id shared by exactly the ranks on the same shared-memory node."""
@@ -385,15 +388,12 @@ class PollingMPITransport(MPITransport):
         while not testall(reqs, statuses):
             time.sleep(nap)
 
-    def _receive(self, recvbuf, source, tag, sendbuf=None, dest=None):
-        """Post the receive (and the send), wait, return the received byte count."""
-        status = MPI.Status()
+    def _receive(self, status, recvbuf, source, tag, sendbuf=None, dest=None):
+        """Post the receive (and the send) and wait; the receive's status lands in status."""
         reqs = [self.comm.Irecv([recvbuf, BYTE], source, tag)]
         if sendbuf is not None:
             reqs.append(self.comm.Isend([sendbuf, BYTE], dest, tag))
-        statuses = [status, MPI.Status()] if sendbuf is not None else [status]
-        self._until_done(reqs, statuses)
-        return status.Get_count(BYTE)
+        self._until_done(reqs, [status, MPI.Status()][:len(reqs)])
 
     def send(self, buf, peer, tag):
         progress = self.progress
@@ -402,43 +402,34 @@ class PollingMPITransport(MPITransport):
         self._until_done([self.comm.Isend([buf, BYTE], peer, tag)])
 
     def recv(self, buf, peer, tag):
-        progress = self.progress
+        progress, status = self.progress, self._status
         progress.step += 1
         progress.at = (peer, tag)
-        got = self._receive(buf, peer, tag)
-        if got != buf.nbytes:
-            raise self._short(got, buf.nbytes, peer, tag)
+        self._receive(status, buf, peer, tag)
+        if status.Get_count(BYTE) != buf.nbytes:
+            raise self._short(status.Get_count(BYTE), buf.nbytes, peer, tag)
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        progress = self.progress
+        progress, status = self.progress, self._status
         progress.step += 1
         progress.at = (source, tag)
-        got = self._receive(recvbuf, source, tag, sendbuf, dest)
-        if got != recvbuf.nbytes:
-            raise self._short(got, recvbuf.nbytes, source, tag)
+        self._receive(status, recvbuf, source, tag, sendbuf, dest)
+        if status.Get_count(BYTE) != recvbuf.nbytes:
+            raise self._short(status.Get_count(BYTE), recvbuf.nbytes, source, tag)
 
     def bind_send(self, buf, peer, tag):
         return self._noted(lambda: self._until_done([self.comm.Isend([buf, BYTE], peer, tag)]),
                            peer, tag)
 
     def bind_recv(self, buf, peer, tag):
-        return self._bound(partial(self._receive, buf, peer, tag), buf.nbytes, peer, tag)
+        status = MPI.Status()
+        return self._checked(partial(self._receive, status, buf, peer, tag), buf.nbytes, peer,
+                             tag, status)
 
     def bind_sendrecv(self, sendbuf, dest, recvbuf, source, tag):
-        return self._bound(partial(self._receive, recvbuf, source, tag, sendbuf, dest),
-                           recvbuf.nbytes, source, tag)
-
-    def _bound(self, call, nbytes, peer, tag):
-        """call() (returning the received byte count) as a noted, size-checked step."""
-        progress, at = self.progress, (peer, tag)
-
-        def step():
-            progress.at = at
-            got = call()
-            if got != nbytes:
-                raise self._short(got, nbytes, peer, tag)
-        step.at = at
-        return step
+        status = MPI.Status()
+        return self._checked(partial(self._receive, status, recvbuf, source, tag, sendbuf, dest),
+                             recvbuf.nbytes, source, tag, status)
 
     def wait(self, req):
         self._until_done([req])
@@ -446,10 +437,8 @@ class PollingMPITransport(MPITransport):
     def waitall(self, reqs):
         self._until_done(reqs)
 
-    def split(self, color, key):
-        sub = self.comm.Split(MPI.UNDEFINED if color is None else color, key)
-        return (None if sub == MPI.COMM_NULL else
-                PollingMPITransport(sub, dup=False, timeout=self.timeout, poll=self.poll))
+    def _over(self, comm):
+        return PollingMPITransport(comm, dup=False, timeout=self.timeout, poll=self.poll)
 
 
 _OPS = {"SUM": MPI.SUM, "PROD": MPI.PROD, "MAX": MPI.MAX, "MIN": MPI.MIN, "BAND": MPI.BAND,
