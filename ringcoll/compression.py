@@ -8,7 +8,8 @@ ranks, sending less than the bucket itself:
     wire_bytes(buf)   -> int            bytes this rank sends per bucket (compare buf.nbytes)
 
 `state` is a dict the bucket owns (a payload buffer, top-k's residual), so one compressor
-object serves any number of buckets and optimizers.
+object serves any number of buckets and optimizers; `state_keys` names the entries that carry
+over between steps (top-k's residual), which checkpoints save.
 
 Built in:
 - `Compression.none`: the bucket itself, all-reduced in place (`op="avg"`).
@@ -36,6 +37,9 @@ class Compressor:
     """Base class: no compression. start() all-reduces buf in place in the background."""
 
     name = "none"
+    #: the keys of a bucket's state that carry over from step to step (saved in checkpoints:
+    #: top-k's residual); the others are scratch, rebuilt on the next start()
+    state_keys = ()
 
     def start(self, comm, buf, state):
         return comm.iallreduce(buf, op="avg", out=buf)
@@ -81,6 +85,7 @@ class TopK(Compressor):
             raise InvalidArgumentError(f"TopK: density must be in (0, 1], got {density}")
         self.density = density
         self.name = f"topk({density:g})"
+        self.state_keys = ("residual",)
 
     def k(self, n):
         return max(1, int(round(self.density * n))) if n else 0

@@ -253,6 +253,87 @@ class DistributedOptimizer:
             self._no_sync = False
 
 
+    # -- checkpoints: the state the wrapper itself keeps, on this rank -------------------------
+    def wrapper_state_dict(self):
+        """What this rank's wrapper carries between steps, as plain data (the inner
+        optimizer's state is self.optimizer.state_dict()):
+
+            {"passes": backward passes accumulated since the last step,
+             "backward_passes_per_step": k, "compression": its name, "op": "avg" | "sum",
+             "buckets": [[parameter names] per bucket],
+             "arrays": {"<bucket>/grads": the accumulated gradients (only while passes > 0),
+                        "<bucket>/<key>": the compressor's carried state (top-k's residual)}}
+
+        It differs from rank to rank (each has its own residual and gradients), so a
+        checkpoint keeps every rank's. Refused between a bucket's start and step(): save
+        between steps."""
+        if self._next or self._waiting != len(self.grads) or any(
+                b.handle is not None for b in self.buckets):
+            raise InvalidArgumentError(
+                f"ringcoll rank {self.comm.rank}, DistributedOptimizer.wrapper_state_dict: a "
+                "backward pass or an all-reduce is in progress; save between step() calls")
+        arrays = {}
+        for b in self.buckets:
+            if self._passes:
+                arrays[f"{b.index}/grads"] = b.buf.copy()
+            for key in self.compression.state_keys:
+                if key in b.state:
+                    arrays[f"{b.index}/{key}"] = b.state[key].copy()
+        return {"passes": self._passes, "backward_passes_per_step": self.backward_passes_per_step,
+                "compression": self.compression.name, "op": self.op,
+                "buckets": [list(b.names) for b in self.buckets], "arrays": arrays}
+
+    def check_wrapper_state_dict(self, state):
+        """Raise InvalidArgumentError unless load_wrapper_state_dict(state) would restore
+        this wrapper exactly (same buckets, compressor and accumulation); changes nothing."""
+        ctx = f"ringcoll rank {self.comm.rank}, DistributedOptimizer.load_wrapper_state_dict: "
+        mine = {"buckets": [list(b.names) for b in self.buckets],
+                "compression": self.compression.name, "op": self.op}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise InvalidArgumentError(
+                    f"{ctx}the saved wrapper has {key} {state.get(key)!r}, this one "
+                    f"{value!r}; build the DistributedOptimizer with the same parameters, "
+                    "bucket_bytes, compression and op (or load only opt.optimizer)")
+        passes = state.get("passes")
+        if not isinstance(passes, int) or not 0 <= passes < self.backward_passes_per_step:
+            raise InvalidArgumentError(
+                f"{ctx}{passes!r} accumulated backward passes cannot resume with "
+                f"backward_passes_per_step={self.backward_passes_per_step}")
+        expected = {f"{b.index}/grads": (b.buf.shape, b.buf.dtype) for b in self.buckets
+                    if passes}
+        for key, a in state.get("arrays", {}).items():
+            index, _, name = key.partition("/")
+            if key in expected:
+                ok = (a.shape, a.dtype) == expected[key]
+            else:
+                ok = (name in self.compression.state_keys and index.isdigit()
+                      and int(index) < len(self.buckets)
+                      and a.shape == self.buckets[int(index)].buf.shape)
+            if not ok:
+                raise InvalidArgumentError(f"{ctx}saved array {key!r} {a.shape} {a.dtype} does "
+                                           "not fit this wrapper's buckets")
+        missing = set(expected) - set(state.get("arrays", {}))
+        if missing:
+            raise InvalidArgumentError(f"{ctx}the accumulated gradients {sorted(missing)} are "
+                                       "missing")
+
+    def load_wrapper_state_dict(self, state):
+        """Restore wrapper_state_dict()'s output (checked first; nothing changes on error)."""
+        self.check_wrapper_state_dict(state)
+        self._passes = state["passes"]
+        for b in self.buckets:
+            for key in self.compression.state_keys:
+                b.state.pop(key, None)
+        for key, a in state["arrays"].items():
+            index, _, name = key.partition("/")
+            bucket = self.buckets[int(index)]
+            if name == "grads":
+                bucket.buf[...] = a
+            else:
+                bucket.state[name] = np.array(a, copy=True)
+
+
 def _request_in(handle):
     """The background Request inside a compressor's handle, if it has one."""
     items = handle if isinstance(handle, tuple) else (handle,)

@@ -8,6 +8,8 @@
                                          cannot work together (counts, dtypes, roots, order)
       CollectiveTimeoutError             a peer did not answer within RINGCOLL_TIMEOUT
       PeerFailedError                    another rank failed, so this one cannot go on
+      CheckpointError                    a checkpoint could not be saved or loaded; raised
+                                         on every rank alike (.path, .problem, .rank)
 
 InvalidArgumentError and InvalidTypeError are also ValueError and TypeError, so code written
 against NumPy-style errors keeps working. Every message starts with the rank and the
@@ -50,6 +52,35 @@ class CollectiveTimeoutError(RingcollError):
 
 class PeerFailedError(RingcollError):
     """Another rank failed, so this rank's collective cannot complete."""
+
+
+class CheckpointError(RingcollError):
+    """A checkpoint could not be saved or loaded, raised on every rank of the call alike.
+
+    Attributes:
+        path: the file or directory at fault (a shard, the manifest, the checkpoint).
+        problem: what is wrong, one of PROBLEMS (a stable word to branch on:
+            ``if exc.problem == "missing": start from scratch``).
+        rank: the rank that found it (the lowest, when several did).
+
+    The model's arrays and the optimizer's state are untouched and the communicator is
+    usable afterwards (ringcoll/checkpoint/agree.py: every rank learns every outcome).
+    """
+
+    PROBLEMS = {
+        "missing": "the checkpoint, its manifest or a shard does not exist",
+        "corrupt": "truncated, or a checksum or the manifest does not check out",
+        "not-a-checkpoint": "the path holds something ringcoll did not write",
+        "newer-version": "written by a newer ringcoll checkpoint format",
+        "mismatch": "names, shapes, dtypes or the optimizer differ from the model's",
+        "write-failed": "saving failed: no space, no permission, not a shared filesystem",
+        "invalid": "a bad argument (shards, extra, an optimizer mid-step)",
+        "error": "anything else (a bug: the message has the traceback's last line)",
+    }
+
+    def __init__(self, message, path=None, problem="error", rank=None):
+        super().__init__(message)
+        self.path, self.problem, self.rank = path, problem, rank
 
 
 def where(rank, collective):

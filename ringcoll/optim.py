@@ -246,8 +246,30 @@ class Optimizer:
                 shape, a bad step count or hyper-parameter.
             InvalidTypeError: something that is not a dict / array / int where one belongs.
         """
+        hyper, loaded = self._checked_state_dict(state_dict, "load_state_dict")
+        # Nothing raised: now change the optimizer.
+        self.hyper = hyper
+        for name, st in loaded.items():
+            old, new = self.state[name], {}
+            for k, v in st.items():
+                if not isinstance(v, np.ndarray):
+                    new[k] = v
+                elif isinstance(old.get(k), np.ndarray):
+                    np.copyto(old[k], v, casting="unsafe")  # keep the buffer, copy the values
+                    new[k] = old[k]
+                else:
+                    new[k] = np.array(v, dtype=_compute_dtype(self.params[name].dtype),
+                                      copy=True)
+            self.state[name] = new
+
+    def check_state_dict(self, state_dict):
+        """Raise what load_state_dict(state_dict) would raise, changing nothing (a
+        distributed load checks every rank before any rank loads)."""
+        self._checked_state_dict(state_dict, "check_state_dict")
+
+    def _checked_state_dict(self, state_dict, method):
         kind = type(self).__name__
-        where = f"ringcoll {kind}.load_state_dict: "
+        where = f"ringcoll {kind}.{method}: "
         if not isinstance(state_dict, Mapping):
             raise InvalidTypeError(f"{where}expected the dict state_dict() returns, got "
                                    f"{type(state_dict).__name__}")
@@ -272,23 +294,9 @@ class Optimizer:
                 + (f"unexpected {_names(unknown)}; " if unknown else "")
                 + "build the optimizer over the same parameter names the checkpoint was saved "
                 "with")
-        loaded = {}
-        for name, p in self.params.items():
-            loaded[name] = self._checked_param_state(name, p, state[name], where)
-        # Nothing raised: now change the optimizer.
-        self.hyper = hyper
-        for name, st in loaded.items():
-            old, new = self.state[name], {}
-            for k, v in st.items():
-                if not isinstance(v, np.ndarray):
-                    new[k] = v
-                elif isinstance(old.get(k), np.ndarray):
-                    np.copyto(old[k], v, casting="unsafe")  # keep the buffer, copy the values
-                    new[k] = old[k]
-                else:
-                    new[k] = np.array(v, dtype=_compute_dtype(self.params[name].dtype),
-                                      copy=True)
-            self.state[name] = new
+        loaded = {name: self._checked_param_state(name, p, state[name], where)
+                  for name, p in self.params.items()}
+        return hyper, loaded
 
     def _checked_param_state(self, name, p, st, where):
         if not isinstance(st, Mapping):

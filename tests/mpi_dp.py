@@ -153,13 +153,13 @@ def main():
                       d < TOL and same_on_every_rank(comm, got), f"max abs diff {d:.2e}")
 
         # checkpoint: 3 steps, save, 3 more  ==  load into fresh objects, the same 3 more
-        path = os.path.join(args.tmpdir, "ckpt.npz")
+        path = os.path.join(args.tmpdir, "ckpt")
         params, opt = train(comm, "adam", batch, steps=3)
-        ringcoll.save_checkpoint(path, params, opt.optimizer, comm=comm, extra={"step": 3})
+        ringcoll.save_checkpoint(path, params, opt, comm=comm, extra={"step": 3})
         straight, _ = train(comm, "adam", batch, steps=3, params=params, opt=opt, start=3)
         fresh = init_params(SIZES, seed=99)
         fresh_opt = ringcoll.DistributedOptimizer(make_opt("adam", fresh), comm, bucket_bytes=256)
-        extra = ringcoll.load_checkpoint(path, fresh, fresh_opt.optimizer, comm=comm)
+        extra = ringcoll.load_checkpoint(path, fresh, fresh_opt, comm=comm)
         resumed, _ = train(comm, "adam", batch, steps=3, params=fresh, opt=fresh_opt, start=3)
         same = all(np.array_equal(straight[k], resumed[k]) for k in straight)
         check(f"checkpoint resume p={p}", same and extra == {"step": 3},

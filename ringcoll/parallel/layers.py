@@ -82,6 +82,10 @@ class Linear:
             grads[self.names[1]] = dy.sum(axis=0)
         return (dy @ self.weight.T if input_grad else None), grads
 
+    def shards(self):
+        """Which parameters are blocks of bigger tensors (for checkpoints): none, here."""
+        return {}
+
 
 class Activation:
     """An elementwise activation ('relu' or 'gelu'); no parameters."""
@@ -97,6 +101,9 @@ class Activation:
 
     def backward(self, dy, z, input_grad=True):
         return (self.grad(z, dy) if input_grad else None), {}
+
+    def shards(self):
+        return {}
 
 
 class Sequential:
@@ -131,6 +138,14 @@ class Sequential:
             dy, g = self.layers[i].backward(dy, caches[i], input_grad=input_grad or i > 0)
             grads.update(g)
         return dy, grads
+
+    def shards(self):
+        """{name: ringcoll.checkpoint.Shard} of every layer's split parameters: what
+        save_checkpoint / load_checkpoint need to place this rank's blocks."""
+        out = {}
+        for layer in self.layers:
+            out.update(layer.shards() if hasattr(layer, "shards") else {})
+        return out
 
 
 def mlp(params, activation_name="relu", first=0, last=None):

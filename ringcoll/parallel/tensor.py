@@ -45,6 +45,7 @@ interchangeable in a Sequential.
 import numpy as np
 
 from ..arrays import Partition
+from ..checkpoint.layout import Shard
 from ..errors import InvalidArgumentError, where
 from .layers import activation
 
@@ -205,6 +206,15 @@ class ColumnParallelLinear:
         dx = self._f.backward(self.comm, dy @ self.weight.T) if input_grad else None
         return dx, grads
 
+    def shards(self):
+        """{name: Shard}: this rank's columns of the (in, out) weight and the (out,) bias,
+        for save_checkpoint / load_checkpoint (no communication)."""
+        first = self.columns.start
+        out = {self.names[0]: Shard((self.weight.shape[0], self.full_out), (0, first))}
+        if self.bias is not None:
+            out[self.names[1]] = Shard((self.full_out,), (first,))
+        return out
+
     def full_params(self):
         """{name: the whole parameter}, gathered from every rank (collective over comm)."""
         out = {self.names[0]: GatherColumns.forward(self.comm, self.weight)}
@@ -276,6 +286,11 @@ class RowParallelLinear:
             dx = ScatterColumns.backward(self.comm, dx)
         return dx, grads
 
+    def shards(self):
+        """{name: Shard}: this rank's rows of the (in, out) weight (the bias is whole), for
+        save_checkpoint / load_checkpoint (no communication)."""
+        return {self.names[0]: Shard((self.full_in, self.out_features), (self.rows.start, 0))}
+
     def full_params(self):
         """{name: the whole parameter}, gathered from every rank (collective over comm)."""
         out = {self.names[0]: self.comm.allgather(self.weight) if self.comm.size > 1
@@ -330,6 +345,9 @@ class ParallelMLP:
         dh, g2 = self.fc2.backward(dy, c2)  # no communication (sequence parallel: all-gather)
         dx, g1 = self.fc1.backward(self.act_grad(z, dh), c1, input_grad)  # one all-reduce (f)
         return dx, {**g1, **g2}
+
+    def shards(self):
+        return {**self.fc1.shards(), **self.fc2.shards()}
 
     def full_params(self):
         return {**self.fc1.full_params(), **self.fc2.full_params()}
