@@ -8,13 +8,13 @@ See README.md to start, docs/algorithms.md for the algorithms and their costs,
 docs/architecture.md for how the package is put together, bench/README.md for the benchmarks.
 """
 
-from . import optim, parallel
+from . import checkpoint, optim, parallel
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .communicator import Communicator, Request
 from .compression import Compression, Compressor
 from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
-from .errors import (ABORT_CODE, CollectiveMismatchError, CollectiveTimeoutError,
+from .errors import (ABORT_CODE, CheckpointError, CollectiveMismatchError, CollectiveTimeoutError,
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
 from .inprocess import run_threads, simulate
@@ -35,6 +35,7 @@ def wrap(mpi_comm=None, **options):
 __all__ = [
     "ABORT_CODE",
     "ALLREDUCE_NAMES",
+    "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "Communicator",
@@ -57,6 +58,7 @@ __all__ = [
     "__version__",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "checkpoint",
     "load_checkpoint",
     "optim",
     "parallel",
