@@ -1,6 +1,6 @@
-"""Unit tests of data-parallel training (ringcoll.distributed, .compression, .checkpoint) on
-the thread transport: buckets, start order, averaged results, accumulation, compression,
-broadcasts, checkpoints and their errors, asserted on every rank.
+"""Unit tests of data-parallel training (ringcoll.distributed, .compression) on the thread
+transport: buckets, start order, averaged results, accumulation, compression and broadcasts,
+asserted on every rank (checkpoints: tests/test_checkpoint.py).
 
 tests/mpi_dp.py checks end-to-end training equivalence under mpiexec; these check the pieces,
 fast, in one process. Gradients are small integers, so sums over ranks and steps are exact in
@@ -8,15 +8,13 @@ float32 and float64 and most results can be compared bitwise.
 """
 
 import importlib.util
-import os
 import time
 
 import numpy as np
 import pytest
 
 import ringcoll
-from ringcoll import (CollectiveMismatchError, InvalidArgumentError, PeerFailedError,
-                      RingcollError)
+from ringcoll import (CollectiveMismatchError, InvalidArgumentError, RingcollError)
 from ringcoll.compression import Cast, Compression, TopK
 from ringcoll.optim import SGD, Adam
 
@@ -740,169 +738,4 @@ def test_broadcast_optimizer_state(kind, when, root):
         assert_same_state(out[0][1], out[r][1])
 
 
-# ---------------------------------------------------------------------------------------------
-# 8. checkpoints
-# ---------------------------------------------------------------------------------------------
-def _trained(comm, kind="adam", steps=2, seed=30, model=MODEL):
-    params = make_params(seed=seed, model=model)
-    inner = Adam(params, lr=0.01) if kind == "adam" else SGD(params, lr=0.1, momentum=0.9)
-    opt = ringcoll.DistributedOptimizer(inner, comm, bucket_bytes=40)
-    for s in range(steps):
-        opt.step(grads_for(params, comm.rank, s))
-    return params, inner
-
-
-@pytest.mark.parametrize("model", [
-    pytest.param(FLOAT32_MODEL, id="float32"),
-    pytest.param(MODEL, id="mixed")])
-@pytest.mark.parametrize("kind", ["sgd", "adam"])
-@pytest.mark.parametrize("root", [0, 1])
-def test_checkpoint_round_trip(tmp_path, kind, root, model):
-    path = str(tmp_path / "ckpt.npz")
-    extra = {"epoch": 3, "note": "ok", "lrs": [0.1, 0.01], "nested": {"a": None}}
-
-    def fn(comm):
-        params, inner = _trained(comm, kind, model=model)
-        ringcoll.save_checkpoint(path, params, inner, comm=comm, extra=extra, root=root)
-        assert sorted(os.listdir(tmp_path)) == ["ckpt.npz"]  # no temporary file left
-        fresh = make_params(seed=99 + comm.rank, model=model)
-        fresh_opt = (Adam(fresh, lr=0.5) if kind == "adam"
-                     else SGD(fresh, lr=0.5, momentum=0.1))
-        got = ringcoll.load_checkpoint(path, fresh, fresh_opt, comm=comm, root=root)
-        assert got == extra
-        assert_same_params(fresh, params)
-        assert_same_state(fresh_opt.state_dict(), inner.state_dict())
-        return True
-
-    assert run(2, fn) == [True, True]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.npz"]
-
-
-def test_checkpoint_overwrite_and_no_optimizer(tmp_path):
-    path = str(tmp_path / "ckpt.npz")
-
-    def fn(comm):
-        params, inner = _trained(comm)
-        ringcoll.save_checkpoint(path, params, inner, comm=comm, extra={"v": 1})
-        ringcoll.save_checkpoint(path, params, comm=comm)  # overwrite, params only
-        assert sorted(os.listdir(tmp_path)) == ["ckpt.npz"]
-        fresh = make_params(seed=5)
-        fresh_opt = Adam(fresh, lr=0.5)
-        before = fresh_opt.state_dict()
-        assert ringcoll.load_checkpoint(path, fresh, fresh_opt, comm=comm) is None
-        assert_same_params(fresh, params)
-        assert_same_state(fresh_opt.state_dict(), before)  # no saved state: untouched
-        return True
-
-    assert run(2, fn) == [True, True]
-
-
-def _load_fails(path, root_error, *needles, p=2, root=0, kind="adam", params_of=None):
-    """load_checkpoint(path) into a trained model: root raises root_error, the others
-    PeerFailedError quoting it; nothing changes on any rank."""
-
-    def fn(comm):
-        params, inner = _trained(comm, kind, seed=40) if params_of is None else params_of(comm)
-        before_p, before_s = snapshot(params), inner.state_dict()
-        try:
-            ringcoll.load_checkpoint(path, params, inner, comm=comm, root=root)
-        except Exception as exc:  # noqa: BLE001 - inspected below
-            assert_same_params(params, before_p)
-            assert_same_state(inner.state_dict(), before_s)
-            return exc
-        return None
-
-    results = run(p, fn)
-    for r, exc in enumerate(results):
-        if r == root:
-            assert isinstance(exc, root_error) and not isinstance(exc, PeerFailedError), exc
-        else:
-            assert isinstance(exc, PeerFailedError), (r, exc)
-            assert f"rank {root}" in str(exc) and os.path.basename(path) in str(exc), str(exc)
-            assert f"rank {r}," in str(exc), str(exc)
-        for needle in needles:
-            assert needle in str(exc), (r, needle, str(exc))
-    return results
-
-
-@pytest.mark.parametrize("root", [0, 2])
-def test_checkpoint_missing_file(tmp_path, root):
-    path = str(tmp_path / "missing.npz")
-    _load_fails(path, FileNotFoundError, "missing.npz", p=3, root=root)
-    assert os.listdir(tmp_path) == []
-
-
-def _save(path, params_of):
-    def fn(comm):
-        params, inner = params_of(comm)
-        ringcoll.save_checkpoint(path, params, inner, comm=comm, extra={"x": 1})
-
-    run(2, fn)
-
-
-@pytest.mark.parametrize("change", ["names", "shape", "dtype", "optimizer"])
-def test_checkpoint_of_another_model(tmp_path, change):
-    path = str(tmp_path / "other.npz")
-    model = list(MODEL)
-    if change == "names":
-        model[1] = ("bias1", (3,), np.float32)
-    elif change == "shape":
-        model[1] = ("b1", (4,), np.float32)
-    elif change == "dtype":
-        model[1] = ("b1", (3,), np.float64)
-
-    def other(comm):
-        params = make_params(seed=41, model=model)
-        inner = (SGD(params, lr=0.1, momentum=0.9) if change == "optimizer"
-                 else Adam(params, lr=0.01))
-        opt = ringcoll.DistributedOptimizer(inner, comm, bucket_bytes=40)
-        opt.step(grads_for(params, comm.rank))
-        return params, inner
-
-    _save(path, other)
-    needle = {"names": "'bias1'", "shape": "'b1'", "dtype": "'b1'", "optimizer": "SGD"}[change]
-    _load_fails(path, InvalidArgumentError, needle)
-
-
-def test_not_a_ringcoll_checkpoint(tmp_path):
-    path = str(tmp_path / "plain.npz")
-    np.savez(path, w1=np.zeros((4, 3), np.float32), b1=np.zeros(3, np.float32))
-    _load_fails(path, InvalidArgumentError, "not a ringcoll-checkpoint")
-
-
-def test_checkpoint_with_another_format_record(tmp_path):
-    path = str(tmp_path / "fmt.npz")
-    meta = np.frombuffer(b'{"format": "other", "version": 1}', dtype=np.uint8)
-    np.savez(path, meta=meta, param_0=np.zeros((4, 3), np.float32))
-    _load_fails(path, InvalidArgumentError, "not a ringcoll-checkpoint version 1")
-
-
-def test_checkpoint_that_is_not_a_zip(tmp_path):
-    path = tmp_path / "junk.npz"
-    path.write_bytes(b"definitely not a zip file")
-    _load_fails(str(path), (OSError, ValueError))
-
-
-DETONATED = []
-
-
-def _detonate():
-    DETONATED.append(True)
-    return np.zeros(1)
-
-
-class _Bomb:
-    def __reduce__(self):
-        return (_detonate, ())
-
-
-def test_checkpoint_load_never_unpickles(tmp_path):
-    path = str(tmp_path / "ckpt.npz")
-    _save(path, lambda comm: _trained(comm, seed=40))
-    with np.load(path) as data:  # the real checkpoint, its 'meta' replaced by an object array
-        arrays = {k: data[k] for k in data.files}
-    arrays["meta"] = np.array([_Bomb()], dtype=object)
-    np.savez(path, **arrays)  # np.savez pickles object arrays
-    DETONATED.clear()
-    _load_fails(path, ValueError, "allow_pickle")
-    assert DETONATED == [], "load_checkpoint unpickled the checkpoint's object array"
+# 8. checkpoints: tests/test_checkpoint.py
