@@ -105,8 +105,11 @@ def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, whe
             overlap = intersect(region, block)
             if overlap is None or not volume(overlap[1]) or not volume(local):
                 continue
-            a = reader.read(piece, dtype, key)
-            out[local_index(overlap, block)] = a[local_index(overlap, region)]
+            dest = out[local_index(overlap, block)] if out.ndim else out  # a 0-d view
+            if overlap == region and dest.flags.c_contiguous:  # all of it, in place: no copy
+                reader.read(piece, dtype, key, into=dest)
+            else:
+                dest[...] = reader.read(piece, dtype, key)[local_index(overlap, region)]
             covered += volume(overlap[1])
         if covered != volume(local):
             name = os.path.join(folder, files.MANIFEST)
