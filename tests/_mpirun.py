@@ -29,18 +29,19 @@ needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec next to this 
                                "PATH: install an MPI (pip install -e '.[mpich]') to run it")
 
 
-def launch(nprocs, argv, env=None, timeout=120):
+def launch(nprocs, argv, env=None, timeout=120, cwd=None):
     """mpiexec -n nprocs python *argv from the repo root; returns (rc or None, output, secs).
 
     The user's RINGCOLL_* variables are dropped (tests set theirs through env). The job runs in
-    its own session; past the deadline its whole process group is killed.
+    its own session; past the deadline its whole process group is killed. cwd: where it runs
+    (default the repo root).
     """
     full = {k: v for k, v in os.environ.items() if not k.startswith("RINGCOLL_")}
     full.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     start = time.time()
     proc = subprocess.Popen([MPIEXEC, "-n", str(nprocs), sys.executable, *map(str, argv)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=full, cwd=str(ROOT), start_new_session=True)
+                            env=full, cwd=str(cwd or ROOT), start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
         rc = proc.returncode

@@ -1,5 +1,6 @@
 """The README's mpi4py drop-in examples and its PyTorch example run as they stand, under
-mpiexec at 1 and 3 ranks.
+mpiexec at 1 and 3 ranks; so do docs/checkpoints.md's examples, at the rank counts their first
+lines name.
 
 Every ```python block of the "mpi4py code" section that asserts something is written to a file
 and launched; each must exit 0 (a failed assert on any rank fails the launch).
@@ -56,3 +57,29 @@ def test_readme_torch_example_runs(nprocs, tmp_path):
     rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
                                   timeout=120)
     assert rc == 0, f"README PyTorch example at -n {nprocs}:\n{out[-3000:]}"
+
+
+def doc_examples(page):
+    """(ranks, code) of each ```python block of docs/<page> that starts with
+    '# mpiexec -n N python this.py'."""
+    text = (mpirun.ROOT / "docs" / page).read_text()
+    found = []
+    for code in re.findall(r"```python\n(.*?)```", text, re.S):
+        first = re.match(r"# mpiexec -n (\d+) python this\.py", code)
+        if first:
+            found.append((int(first.group(1)), code))
+    return found
+
+
+def test_the_checkpoint_page_has_its_examples():
+    assert [n for n, _ in doc_examples("checkpoints.md")] == [2, 4]
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_checkpoint_page_example_runs(index, tmp_path):
+    nprocs, code = doc_examples("checkpoints.md")[index]
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
+                                  timeout=120, cwd=tmp_path)
+    assert rc == 0, f"docs/checkpoints.md example {index} at -n {nprocs}:\n{out[-3000:]}"

@@ -187,8 +187,9 @@ class ShardReader:
             self.files[name] = f
         return f
 
-    def read(self, piece, dtype, key):
-        """The piece's array (shape piece["shape"], the given dtype), checked."""
+    def read(self, piece, dtype, key, into=None):
+        """The piece's array (shape piece["shape"], the given dtype), checked; read straight
+        into `into` (a C-contiguous array of that shape and dtype) when given."""
         f = self._open(piece["shard"])
         full = os.path.join(self.folder, piece["shard"])
         nbytes = int(np.prod(piece["shape"], dtype=np.int64)) * dtype.itemsize
@@ -196,7 +197,7 @@ class ShardReader:
             raise CheckpointError(f"{self.where}{self.folder}/{MANIFEST} is corrupt ({key}: "
                                   f"{piece['nbytes']} bytes for a {piece['shape']} {dtype})",
                                   path=os.path.join(self.folder, MANIFEST), problem="corrupt")
-        data = np.empty(nbytes, np.uint8)
+        data = np.empty(nbytes, np.uint8) if into is None else into.reshape(-1).view(np.uint8)
         f.seek(piece["offset"])
         if f.readinto(data) != nbytes:
             raise CheckpointError(f"{self.where}shard {full} is truncated ({key} runs past its "

@@ -10,9 +10,11 @@ Keys name a tensor of the whole model, the same on every rank that holds a block
 """
 
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import numpy as np
 
+from ..communicator import Communicator
 from ..distributed import DistributedOptimizer
 from ..errors import CheckpointError
 from .layout import Shard, dtype_name
@@ -20,6 +22,20 @@ from .layout import Shard, dtype_name
 
 def invalid(where, message):
     return CheckpointError(f"{where}{message}", problem="invalid")
+
+
+@contextmanager
+def world(comm, mesh):
+    """The communicator of every rank: comm, else mesh.comm, else a new one over
+    MPI.COMM_WORLD (closed again at the end)."""
+    if comm is not None or mesh is not None:
+        yield comm if comm is not None else mesh.comm
+        return
+    comm = Communicator()
+    try:
+        yield comm
+    finally:
+        comm.close()
 
 
 def split_optimizer(optimizer):

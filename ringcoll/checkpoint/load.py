@@ -22,7 +22,7 @@ import os
 import numpy as np
 
 from . import agree, files
-from .holdings import split_optimizer, targets
+from .holdings import split_optimizer, targets, world
 from .layout import dtype_of, intersect, local_index, volume
 from ..errors import CheckpointError, InvalidArgumentError
 
@@ -42,11 +42,13 @@ def load_checkpoint(path, params, optimizer=None, comm=None, *, shards=None, mes
     Raises:
         CheckpointError on every rank alike, with nothing changed on any rank.
     """
-    from .save import _world
-    comm = _world(comm, mesh)
+    with world(comm, mesh) as comm:
+        return _load(comm, os.fspath(path), params, optimizer, shards, strict)
+
+
+def _load(comm, path, params, optimizer, shards, strict):
     what = "load_checkpoint"
     where = f"ringcoll rank {comm.rank}, {what}: "
-    path = os.fspath(path)
     staged = {}
 
     def read():
@@ -105,8 +107,11 @@ def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, whe
             overlap = intersect(region, block)
             if overlap is None or not volume(overlap[1]) or not volume(local):
                 continue
-            a = reader.read(piece, dtype, key)
-            out[local_index(overlap, block)] = a[local_index(overlap, region)]
+            dest = out[local_index(overlap, block)] if out.ndim else out  # a 0-d view
+            if overlap == region and dest.flags.c_contiguous:  # all of it, in place: no copy
+                reader.read(piece, dtype, key, into=dest)
+            else:
+                dest[...] = reader.read(piece, dtype, key)[local_index(overlap, region)]
             covered += volume(overlap[1])
         if covered != volume(local):
             name = os.path.join(folder, files.MANIFEST)

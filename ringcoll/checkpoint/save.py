@@ -29,7 +29,7 @@ import zlib
 import numpy as np
 
 from . import agree, files
-from .holdings import holdings, invalid
+from .holdings import holdings, invalid, world
 from .layout import chunks, dtype_name, overlapping, volume
 from ..errors import CheckpointError
 
@@ -60,10 +60,13 @@ def save_checkpoint(path, params, optimizer=None, comm=None, extra=None, *, shar
         CheckpointError on every rank alike (problem "invalid", "mismatch", "write-failed",
         "not-a-checkpoint", ...); the previous checkpoint at path, if any, is then intact.
     """
-    comm = _world(comm, mesh)
+    with world(comm, mesh) as comm:
+        _save(comm, os.fspath(path), params, optimizer, extra, shards, mesh)
+
+
+def _save(comm, path, params, optimizer, extra, shards, mesh):
     what = "save_checkpoint"
     where = f"ringcoll rank {comm.rank}, {what}: "
-    path = os.fspath(path)
     mine = {}  # this rank's holdings, and on rank 0 the temporary directory
 
     def plan():
@@ -214,15 +217,6 @@ def _manifest(comm, mesh, extra, plans, written, where):
             "mesh": None if mesh is None else {"shape": mesh.shape, "order": list(mesh.order)},
             "extra": extra, "optimizer": optimizer, "wrappers": wrappers or None,
             "tensors": tensors, "shards": shard_files}
-
-
-def _world(comm, mesh):
-    if comm is not None:
-        return comm
-    if mesh is not None:
-        return mesh.comm
-    from ..communicator import Communicator
-    return Communicator()
 
 
 def _os_call(fn, *args, where, path):
