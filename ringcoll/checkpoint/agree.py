@@ -29,8 +29,9 @@ import numpy as np
 from ..errors import CheckpointError
 
 
-def step(comm, what, fn):
-    """Run fn() on this rank and exchange the outcome; see the module docstring."""
+def step(comm, what, fn, path):
+    """Run fn() on this rank and exchange the outcome; see the module docstring. path: the
+    checkpoint, the .path of an error that names no file of its own (a bad argument)."""
     failure = None
     try:
         record = {"ok": fn()}
@@ -44,6 +45,8 @@ def step(comm, what, fn):
     if failure is not None:
         if failure.rank is None:
             failure.rank = comm.rank
+        if failure.path is None:
+            failure.path = path
         message = str(failure)
         prefix = f"ringcoll rank {comm.rank}, {what}: "
         record = {"error": {"message": message[len(prefix):] if message.startswith(prefix)
@@ -56,6 +59,7 @@ def step(comm, what, fn):
     first = failed[0]["error"]
     if failure is not None and (failure.problem, failure.path) == (first["problem"],
                                                                    first["path"]):
+        failure.rank = first["rank"]  # the lowest finder, as on every rank
         raise failure  # this rank found the same: its own error, with its traceback
     more = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
     raise CheckpointError(f"ringcoll rank {comm.rank}, {what}: rank {first['rank']} "

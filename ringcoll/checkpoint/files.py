@@ -198,8 +198,15 @@ class ShardReader:
                                   f"{piece['nbytes']} bytes for a {piece['shape']} {dtype})",
                                   path=os.path.join(self.folder, MANIFEST), problem="corrupt")
         data = np.empty(nbytes, np.uint8) if into is None else into.reshape(-1).view(np.uint8)
-        f.seek(piece["offset"])
-        if f.readinto(data) != nbytes:
+        try:
+            f.seek(piece["offset"])
+            got = f.readinto(data)
+        except (OSError, ValueError, OverflowError) as exc:  # an offset no file has
+            raise CheckpointError(f"{self.where}{self.folder}/{MANIFEST} is corrupt ({key} at "
+                                  f"offset {piece['offset']!r}: {exc})",
+                                  path=os.path.join(self.folder, MANIFEST),
+                                  problem="corrupt") from None
+        if got != nbytes:
             raise CheckpointError(f"{self.where}shard {full} is truncated ({key} runs past its "
                                   "end)", path=full, problem="corrupt")
         if zlib.crc32(data) != piece["crc32"]:

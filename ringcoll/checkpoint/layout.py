@@ -59,9 +59,10 @@ def local_index(region, within):
     return tuple(slice(s - w, s - w + n) for s, n, w in zip(region[0], region[1], within[0]))
 
 
-def chunks(region, itemsize, limit=CHUNK_BYTES):
+def chunks(region, itemsize, limit=None):
     """region cut along axis 0 into consecutive regions of at most `limit` bytes each
-    (at least one row each; a 0-d or empty region is one chunk)."""
+    (default CHUNK_BYTES; at least one row each; a 0-d or empty region is one chunk)."""
+    limit = CHUNK_BYTES if limit is None else limit
     start, shape = region
     if not shape or volume(shape) == 0:
         return [region]
@@ -99,10 +100,10 @@ def dtype_name(dtype):
     return dtype.name
 
 
-def dtype_of(name, path):
+def dtype_of(name, path, where):
     """The dtype a checkpoint names, or CheckpointError (corrupt) for anything else."""
     dtype = _BY_NAME.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise CheckpointError(f"{path} names the dtype {name!r}, which no ringcoll checkpoint "
-                              "holds", path=path, problem="corrupt")
+        raise CheckpointError(f"{where}{path} names the dtype {name!r}, which no ringcoll "
+                              "checkpoint holds", path=path, problem="corrupt")
     return dtype

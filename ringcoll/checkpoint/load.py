@@ -47,7 +47,7 @@ def load_checkpoint(path, params, optimizer=None, comm=None, *, shards=None, mes
 
 
 def _load(comm, path, params, optimizer, shards, strict):
-    what = "load_checkpoint"
+    what = f"load_checkpoint({path})"
     where = f"ringcoll rank {comm.rank}, {what}: "
     staged = {}
 
@@ -67,7 +67,7 @@ def _load(comm, path, params, optimizer, shards, strict):
         staged["manifest"] = manifest
         return sorted(params)
 
-    loaded = agree.step(comm, what, read)
+    loaded = agree.step(comm, what, read, path)
     manifest = staged["manifest"]
     if strict:  # the same manifest and lists on every rank: the same verdict
         saved = {key[len("param/"):] for key in manifest["tensors"] if key.startswith("param/")}
@@ -75,7 +75,7 @@ def _load(comm, path, params, optimizer, shards, strict):
         if left:
             raise CheckpointError(f"{where}no rank loads the parameters {left} that {path} "
                                   "holds; build the whole model (or pass strict=False)",
-                                  path=path, problem="mismatch")
+                                  path=path, problem="mismatch", rank=0)
     for name, p in params.items():
         p[...] = staged["param/" + name]
     inner, wrapper = split_optimizer(optimizer)
@@ -88,6 +88,7 @@ def _load(comm, path, params, optimizer, shards, strict):
 
 def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, where):
     tensors = manifest["tensors"]
+    manifest_name = os.path.join(folder, files.MANIFEST)
 
     def mismatch(message):
         return CheckpointError(f"{where}{message}", path=folder, problem="mismatch")
@@ -95,7 +96,7 @@ def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, whe
     def fill(key, shape, start, local, dtype):
         """This rank's block (start, local) of tensor key, from the pieces overlapping it."""
         t = tensors[key]
-        saved = dtype_of(t["dtype"], os.path.join(folder, files.MANIFEST))
+        saved = dtype_of(t["dtype"], manifest_name, where)
         if list(t["shape"]) != list(shape) or saved != dtype:
             raise mismatch(f"{key} is {tuple(t['shape'])} {saved} in {folder}, "
                            f"{tuple(shape)} {dtype} here")
@@ -141,7 +142,7 @@ def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, whe
             for k in rec["arrays"]:
                 key = f"state/{name}/{k}"
                 st[k] = fill(key, spec.shape, spec.start, p.shape,
-                             dtype_of(tensors[key]["dtype"], folder))
+                             dtype_of(tensors[key]["dtype"], manifest_name, where))
             state[name] = st
         staged["optimizer"] = {"type": saved_opt["type"], "hyper": saved_opt["hyper"],
                                "state": state}
@@ -167,7 +168,7 @@ def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, whe
             key = f"rank/{comm.rank}/{k}"
             t = tensors[key]
             state["arrays"][k] = fill(key, t["shape"], (0,) * len(t["shape"]), t["shape"],
-                                      dtype_of(t["dtype"], folder))
+                                      dtype_of(t["dtype"], manifest_name, where))
         try:
             wrapper.check_wrapper_state_dict(state)
         except InvalidArgumentError as exc:

@@ -65,7 +65,7 @@ def save_checkpoint(path, params, optimizer=None, comm=None, extra=None, *, shar
 
 
 def _save(comm, path, params, optimizer, extra, shards, mesh):
-    what = "save_checkpoint"
+    what = f"save_checkpoint({path})"
     where = f"ringcoll rank {comm.rank}, {what}: "
     mine = {}  # this rank's holdings, and on rank 0 the temporary directory
 
@@ -125,9 +125,9 @@ def _save(comm, path, params, optimizer, extra, shards, mesh):
         return None
 
     try:
-        plans = agree.step(comm, what, plan)
-        written = agree.step(comm, what, write)
-        agree.step(comm, what, commit)
+        plans = agree.step(comm, what, plan, path)
+        written = agree.step(comm, what, write, path)
+        agree.step(comm, what, commit, path)
     except CheckpointError:
         if "tmp" in mine:
             shutil.rmtree(mine["tmp"], ignore_errors=True)
