@@ -1322,9 +1322,9 @@ class _Readers:
                 rank = int(where.split("rank ")[1].split(",")[0])
                 readers.made.setdefault(rank, []).append(self)
 
-            def read(self, piece, dtype, key):
+            def read(self, piece, dtype, key, into=None):
                 self.pieces.append((key, tuple(piece["start"]), tuple(piece["shape"])))
-                return super().read(piece, dtype, key)
+                return super().read(piece, dtype, key, into)
 
         monkeypatch.setattr(ckfiles, "ShardReader", Counting)
 
