@@ -12,11 +12,20 @@ initialisation, loss, batch order and SGD with momentum) on a ringcoll.Mesh of t
   --dp D  data parallel: each replica takes 1/D of every global batch; the gradients are
           averaged over mesh.dp only (DistributedOptimizer), never over tp or pp.
 
-D defaults to what T and P leave of the ranks. At the end, every rank compares the parameters
-it holds (its shards or its stage's layers) with a single-process run of the same loop and
-seed (train_digits' forward and backward on whole global batches), and rank 0 prints the
-largest difference over all ranks with PASS or FAIL (exit code 1) against --tolerance, and
-both runs' test accuracy. Run on 1 process (no flags) it is that single-process run.
+D defaults to what T and P leave of the ranks.
+
+  --checkpoint DIR  every --save-every N steps, save the model and the optimizer state to DIR
+          (a sharded ringcoll checkpoint, each rank its blocks, replacing the previous one
+          atomically). With --resume, DIR (if there) is loaded first and the run continues
+          from its step as if it had never stopped (the batch order is deterministic), also
+          at another --dp/--tp/--pp or number of ranks (loading reshards; keep --batch a
+          multiple of both dp sizes so that the steps are the same).
+
+At the end, every rank compares the parameters it holds (its shards or its stage's layers)
+with a single-process run of the same loop and seed (train_digits' forward and backward on
+whole global batches), and rank 0 prints the largest difference over all ranks with PASS or
+FAIL (exit code 1) against --tolerance, and both runs' test accuracy. Run on 1 process (no
+flags) it is that single-process run.
 
 Needs scikit-learn: pip install -e ".[examples]".
 """
@@ -60,8 +69,17 @@ def parse(argv=None):
                     help="largest allowed parameter difference (default 1e-4 for float32, "
                          "1e-10 for float64)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", metavar="DIR", default=None,
+                    help="save a checkpoint to DIR every --save-every steps")
+    ap.add_argument("--save-every", type=int, default=10, metavar="N")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the checkpoint in --checkpoint DIR, if there is one")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        ap.error("--resume needs --checkpoint DIR")
+    if args.save_every < 1:
+        ap.error("--save-every must be at least 1")
     if args.tolerance is None:
         args.tolerance = 1e-4 if args.dtype == "float32" else 1e-10
     return args
@@ -130,6 +148,30 @@ def pipeline_stage(pp, params):
     return mlp(params, "relu", layers.start, layers.stop)
 
 
+# -- checkpoints ------------------------------------------------------------------------------
+def resume(args, mesh, model, opt):
+    """With --resume, load --checkpoint DIR into the model and the optimizer (each rank its
+    blocks, whatever mesh saved them); returns the saved extra: the steps done, and the loss
+    summed so far in their epoch. A fresh start when DIR does not exist yet."""
+    fresh = {"step": 0, "loss_sum": 0.0}
+    if not args.resume:
+        return fresh
+    try:
+        return ringcoll.load_checkpoint(args.checkpoint, model.params, opt, mesh=mesh,
+                                        shards=model.shards())
+    except ringcoll.CheckpointError as exc:
+        if exc.problem == "missing" and exc.path == args.checkpoint:  # not a lost shard
+            return fresh
+        raise
+
+
+def save(args, mesh, model, opt, step, loss_sum):
+    """Save the model and the optimizer to --checkpoint DIR after `step` steps."""
+    total = float(mesh.comm.allreduce(np.array([loss_sum]))[0])  # every rank's share of it
+    ringcoll.save_checkpoint(args.checkpoint, model.params, opt, mesh=mesh,
+                             shards=model.shards(), extra={"step": step, "loss_sum": total})
+
+
 # -- hybrid training ---------------------------------------------------------------------------
 def train(mesh, args, data, log=None):
     """Train on the mesh; returns (this rank's parameters, the model's test accuracy, the
@@ -155,10 +197,18 @@ def train(mesh, args, data, log=None):
     params = model.params  # this rank's shards or stage: what it updates
     opt = ringcoll.DistributedOptimizer(
         ringcoll.optim.SGD(params, lr=args.lr, momentum=args.momentum), mesh.dp)
-    history = []
-    for epoch_rows in batches(args, len(x_train), dp):
-        loss_sum, start = 0.0, time.perf_counter()
+    done = resume(args, mesh, model, opt)  # the steps a checkpoint holds: skipped below
+    history, step = [], 0
+    for epoch, epoch_rows in enumerate(batches(args, len(x_train), dp), 1):
+        if step + len(epoch_rows) <= done["step"]:
+            step += len(epoch_rows)
+            continue
+        loss_sum = done["loss_sum"] if step < done["step"] and mesh.comm.rank == 0 else 0.0
+        start = time.perf_counter()
         for rows in epoch_rows:
+            step += 1
+            if step <= done["step"]:
+                continue
             share = len(rows) // dp
             mine = rows[d * share:(d + 1) * share]  # this replica's share of the batch
             scale = dp / len(rows)  # sum over the share * dp / batch, then averaged over dp
@@ -175,14 +225,17 @@ def train(mesh, args, data, log=None):
                 loss, grads = sum(res.losses), res.grads
             opt.step(grads)  # averaged over mesh.dp
             loss_sum += loss / dp if last else 0.0
+            if args.checkpoint and step % args.save_every == 0:
+                save(args, mesh, model, opt, step, loss_sum)
         # one reporting rank per replica adds its share: the mean loss of the global batches
         loss = float(mesh.comm.allreduce(np.array([loss_sum / len(epoch_rows)]))[0])
         acc = evaluate(mesh, model, pipe, x_test, y_test)
         history.append((loss, acc))
         if log is not None:
-            log(f"epoch {len(history):3d}  {time.perf_counter() - start:5.2f} s  loss "
+            log(f"epoch {epoch:3d}  {time.perf_counter() - start:5.2f} s  loss "
                 f"{loss:.4f}  test accuracy {100 * acc:5.1f}%")
-    return params, history[-1][1], history
+    acc = history[-1][1] if history else evaluate(mesh, model, pipe, x_test, y_test)
+    return params, acc, history
 
 
 def evaluate(mesh, model, pipe, x, y):
