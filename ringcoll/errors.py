@@ -68,8 +68,8 @@ class CheckpointError(RingcollError):
     """
 
     PROBLEMS = {
-        "missing": "the checkpoint, its manifest or a shard does not exist",
-        "corrupt": "truncated, or a checksum or the manifest does not check out",
+        "missing": "nothing at the path: no checkpoint was saved there",
+        "corrupt": "damaged: a shard missing or truncated, a checksum or the manifest wrong",
         "not-a-checkpoint": "the path holds something ringcoll did not write",
         "newer-version": "written by a newer ringcoll checkpoint format",
         "mismatch": "names, shapes, dtypes or the optimizer differ from the model's",

@@ -160,7 +160,7 @@ def resume(args, mesh, model, opt):
         return ringcoll.load_checkpoint(args.checkpoint, model.params, opt, mesh=mesh,
                                         shards=model.shards())
     except ringcoll.CheckpointError as exc:
-        if exc.problem == "missing" and exc.path == args.checkpoint:  # not a lost shard
+        if exc.problem == "missing":  # nothing saved yet (a damaged one is "corrupt")
             return fresh
         raise
 

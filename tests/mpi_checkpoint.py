@@ -295,7 +295,7 @@ def checks(tmp, comm, mesh):
     expect_failure("load: truncated shard only the last rank reads", load_into(path),
                    "corrupt", comm, model.params, opt, path=os.path.join(path, last), rank=LAST)
     path = bad("last-missing", lambda p: os.remove(os.path.join(p, last)))
-    expect_failure("load: missing shard only the last rank reads", load_into(path), "missing",
+    expect_failure("load: missing shard only the last rank reads", load_into(path), "corrupt",
                    comm, model.params, opt, path=os.path.join(path, last), rank=LAST)
 
     # (b) save failures
@@ -351,7 +351,7 @@ def checks(tmp, comm, mesh):
               (os.path.join(tmp, "truncated"), "corrupt", first),
               (good, "ok", None),
               (os.path.join(tmp, "nothing"), "missing", None),
-              (os.path.join(tmp, "last-missing"), "missing", last),
+              (os.path.join(tmp, "last-missing"), "corrupt", last),
               (os.path.join(tmp, "newer"), "newer-version", files.MANIFEST),
               (os.path.join(tmp, "results"), "not-a-checkpoint", None),
               (good, "ok", None),

@@ -12,7 +12,8 @@
                      at one shape and loaded at another
     6. chunks        a reader of a few rows reads only the chunks holding them
 
-tests/mpi_checks.py and friends run checkpoints under mpiexec; these check the semantics, fast,
+tests/mpi_checkpoint.py and tests/test_checkpoint_mpi.py run checkpoints under mpiexec (and a
+rank SIGKILLed mid-save); these check the semantics, fast,
 in one process. Gradients are small integers and training is elementwise (SGD, Adam), so a
 block of a tensor trained on its own is bitwise the block of the tensor trained whole, and
 most comparisons are bitwise.
@@ -404,7 +405,7 @@ def test_load_deleted_shard(tmp_path, p):
     _good_with_residuals(path, p)
     shard_file = os.path.join(path, "shard-00000.bin")
     os.remove(shard_file)
-    load_fails(path, p, "missing", shard_file)
+    load_fails(path, p, "corrupt", shard_file)  # damaged, not absent: never "start afresh"
 
 
 DETONATED = []
@@ -883,7 +884,7 @@ def test_each_error_is_about_its_own_file(tmp_path, p):
         ("flipped-last", "corrupt", f"{base}/flipped-last/{last}"),
         ("not-json", "corrupt", f"{base}/not-json/manifest.json"),
         ("newer", "newer-version", f"{base}/newer/manifest.json"),
-        ("deleted-last", "missing", f"{base}/deleted-last/{last}"),
+        ("deleted-last", "corrupt", f"{base}/deleted-last/{last}"),
         ("good2", None, None),
         ("other-format", "not-a-checkpoint", f"{base}/other-format/manifest.json"),
         ("missing", "missing", f"{base}/missing")]

@@ -176,8 +176,9 @@ class ShardReader:
             try:
                 f = open(full, "rb")
             except FileNotFoundError:
-                raise CheckpointError(f"{self.where}shard {full} is missing (the checkpoint "
-                                      "is incomplete)", path=full, problem="missing") from None
+                raise CheckpointError(f"{self.where}shard {full} is missing: the checkpoint "
+                                      "is damaged (its manifest names the file)", path=full,
+                                      problem="corrupt") from None
             size = os.fstat(f.fileno()).st_size
             if size != record["nbytes"]:
                 f.close()

@@ -154,8 +154,8 @@ def _read(reader, manifest, folder, comm, params, shards, optimizer, staged, whe
     if wrapper is not None and saved_wrappers:
         private = any(w["arrays"] for w in saved_wrappers.values())
         mine_saved = saved_wrappers.get(str(comm.rank))
-        if manifest["world"] != comm.size or mine_saved is None:
-            if private:
+        if manifest["world"] != comm.size or mine_saved is None or not private:
+            if private:  # (with nothing private there is nothing of the wrapper's to restore)
                 raise mismatch(
                     f"{folder} holds each rank's DistributedOptimizer state (accumulated "
                     f"gradients or compression residuals) of a {manifest['world']}-rank job; "
