@@ -13,10 +13,9 @@
     6. chunks        a reader of a few rows reads only the chunks holding them
 
 tests/mpi_checkpoint.py and tests/test_checkpoint_mpi.py run checkpoints under mpiexec (and a
-rank SIGKILLed mid-save); these check the semantics, fast,
-in one process. Gradients are small integers and training is elementwise (SGD, Adam), so a
-block of a tensor trained on its own is bitwise the block of the tensor trained whole, and
-most comparisons are bitwise.
+rank SIGKILLed mid-save); these check the semantics, fast, in one process. Gradients are small
+integers and training is elementwise (SGD, Adam), so a block of a tensor trained on its own is
+bitwise the block of the tensor trained whole, and most comparisons are bitwise.
 """
 
 import errno
