@@ -104,3 +104,28 @@ def test_torch_ddp_bench_runs_every_mode_and_checks_the_replicas(tmp_path):
     assert not config["wrong"] and not config["skipped"], log
     assert set(config["median_s"]) == {"gloo", "ringcoll", "none"}, log
     assert "bucket" in log and "backward ended at" in log, log  # the timeline table
+
+
+def test_checkpoint_bench_runs_checks_every_load_and_cleans_up(tmp_path):
+    """bench/checkpoint.py at -n 2 on tiny models, with the targets judged at those sizes:
+    the table is printed, every load checked (0 wrong), every layout and baseline timed, its
+    temporary directory removed; exit 0, or 3 for a target miss only (timing, not judged)."""
+    out, where = tmp_path / "checkpoint.json", tmp_path / "ckpt"
+    where.mkdir()
+    rc, log, _ = launch(2, ["-b", "64K", "-e", "256K", "-f", "4", "--repeats", "2", "-q",
+                            "--target-min-bytes", "64K", "--dir", str(where), "--json", str(out)],
+                        timeout=120, script="bench/checkpoint.py")
+    assert rc in (0, 3), log
+    data = json.loads(out.read_text())
+    assert data["exit_status"] == rc and data["wrong_total"] == 0, log
+    assert "save ms" in log and "ld/+crc32" in log, log  # the table's header
+    rows = {(r["bytes"], r["layout"]) for r in data["rows"]}
+    assert rows == {(n, layout) for n in (65536, 262144)
+                    for layout in ("replicated", "sharded", "resharded")}, log
+    for r in data["rows"]:
+        assert len(r["load_s_rounds"]) == 2 and all(t > 0 for t in r["load_s_rounds"]), r
+        assert all(r[f"{b}_s"] > 0 for b in ("np.save", "np.save+fsync", "np.load")), r
+        assert (r["save_s"] is None) == (r["layout"] == "resharded"), r
+    assert (rc == 3) == bool(data["missed"]), log  # 3 only for a miss, each one printed
+    assert log.count("# MISS:") == len(data["missed"]), log
+    assert list(where.iterdir()) == [], "the checkpoints were not cleaned up"
