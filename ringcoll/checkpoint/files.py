@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -32,6 +33,8 @@ FORMAT = "ringcoll-checkpoint"
 VERSION = 2
 MANIFEST = "manifest.json"
 ALIGN = 64  # every piece starts at a multiple of this many bytes
+READ_BLOCK = 4 << 20  # a piece is read in blocks of this many bytes, each checksummed beside
+#                       the read of the next
 
 
 def shard_file(rank):
@@ -43,23 +46,26 @@ def write_shard(filename, arrays):
     """Write the arrays one after another; returns (pieces, file record): per array its
     (offset, nbytes, crc32), and the file's {"nbytes"}. Flushed and fsynced.
 
-    One crc32 pass over the bytes, per piece (what a reader checks); the file as a whole has
-    its size, checked before any piece is read, and no checksum of its own, which would cost
-    a second pass over every byte (zlib has no crc32_combine in Python)."""
-    pieces, at = [], 0
-    with open(filename, "xb") as f:
+    One crc32 pass over the bytes, per piece (what a reader checks), on a second thread while
+    the piece is written (zlib and the write both release the GIL: with a free core the
+    checksum costs no time); the file as a whole has its size, checked before any piece is
+    read, and no checksum of its own, which would cost a second pass over every byte (zlib
+    has no crc32_combine in Python)."""
+    pieces, at, crcs = [], 0, []
+    with open(filename, "xb") as f, ThreadPoolExecutor(1) as checksummer:
         for a in arrays:
             pad = -at % ALIGN
             if pad:
                 f.write(bytes(pad))
                 at += pad
             data = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-            f.write(data)
-            pieces.append((at, data.size, zlib.crc32(data)))
+            crcs.append(checksummer.submit(zlib.crc32, data))  # beside the write: both
+            f.write(data)                                      # release the GIL
+            pieces.append((at, data.size))
             at += data.size
         f.flush()
         os.fsync(f.fileno())
-    return pieces, {"nbytes": at}
+    return [(off, n, crc.result()) for (off, n), crc in zip(pieces, crcs)], {"nbytes": at}
 
 
 def write_manifest(folder, manifest):
@@ -165,6 +171,8 @@ class ShardReader:
         self.folder, self.manifest, self.where = folder, manifest, where
         self.files = {}
         self.bytes_read = 0
+        # checksums run on this thread while the next block is read (both release the GIL)
+        self.checksummer = ThreadPoolExecutor(1)
 
     def _open(self, name):
         f = self.files.get(name)
@@ -202,9 +210,23 @@ class ShardReader:
                                   f"{piece['nbytes']} bytes for a {piece['shape']} {dtype})",
                                   path=os.path.join(self.folder, MANIFEST), problem="corrupt")
         data = np.empty(nbytes, np.uint8) if into is None else into.reshape(-1).view(np.uint8)
+        crc = [0]  # the crc32 of the blocks read so far, computed beside the next read
+
+        def add(block):
+            crc[0] = zlib.crc32(block, crc[0])
+
         try:
             f.seek(piece["offset"])
-            got = f.readinto(data)
+            got, pending = 0, []
+            while got < nbytes:
+                block = data[got:got + READ_BLOCK]
+                n = f.readinto(block)
+                if not n:
+                    break
+                pending.append(self.checksummer.submit(add, block[:n]))  # in order: 1 thread
+                got += n
+            for job in pending:
+                job.result()
         except (OSError, ValueError, OverflowError) as exc:  # an offset no file has
             raise CheckpointError(f"{self.where}{self.folder}/{MANIFEST} is corrupt ({key} at "
                                   f"offset {piece['offset']!r}: {exc})",
@@ -213,7 +235,7 @@ class ShardReader:
         if got != nbytes:
             raise CheckpointError(f"{self.where}shard {full} is truncated ({key} runs past its "
                                   "end)", path=full, problem="corrupt")
-        if zlib.crc32(data) != piece["crc32"]:
+        if crc[0] != piece["crc32"]:
             raise CheckpointError(f"{self.where}shard {full} is corrupt: the checksum of {key} "
                                   f"(bytes {piece['offset']}..{piece['offset'] + nbytes}) does "
                                   "not match the manifest's", path=full, problem="corrupt")
@@ -224,3 +246,4 @@ class ShardReader:
         for f in self.files.values():
             f.close()
         self.files.clear()
+        self.checksummer.shutdown()
