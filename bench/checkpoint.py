@@ -53,11 +53,11 @@ holds the collectives'), at every size >= --target-min-bytes (default 64M), repl
         (the staged arrays go into the parameters only once every rank has read everything).
         load / np.load is still printed.
   from 64 MiB, not 16 MiB as first asked: a save has a fixed cost besides the bytes (mkdir,
-        the manifest and its fsync, two directory fsyncs, two renames, removing the previous
-        checkpoint), about 4-5 ms here (save - atomic np.save at 1 MiB), and one crc32 pass;
-        at 16 MiB (atomic np.save 13-14 ms) those two alone come to ~0.65x, so no correct
-        save of this protocol reaches 1.5x there. At 64 MiB they are 0.5-0.7x: tight, but
-        in reach once every byte is checksummed once (see bench/README.md, "Checkpoints").
+        the manifest and its fsync, two directory fsyncs, two renames), 2-4 ms here (save -
+        atomic np.save at 1 MiB), and one crc32 pass, which overlaps the write only where a
+        core is free; at 16 MiB (atomic np.save 11-13 ms) they come to 0.6-0.9x. At 64 MiB
+        and above the bytes dominate (see bench/README.md, "Checkpoints", for the misses at
+        -n 2 and 4 on 2 cores).
 --target-min-bytes, --target-save and --target-load move them.
 
 --poll SECONDS: the Communicator's exchanges wait with sleeps (Communicator(poll=...))
