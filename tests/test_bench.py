@@ -124,7 +124,7 @@ def test_checkpoint_bench_runs_checks_every_load_and_cleans_up(tmp_path):
                     for layout in ("replicated", "sharded", "resharded")}, log
     for r in data["rows"]:
         assert len(r["load_s_rounds"]) == 2 and all(t > 0 for t in r["load_s_rounds"]), r
-        assert all(r[f"{b}_s"] > 0 for b in ("np.save", "np.save+fsync", "np.load")), r
+        assert all(r[f"{b}_s"] > 0 for b in ("np.save", "atomic np.save", "np.load")), r
         assert (r["save_s"] is None) == (r["layout"] == "resharded"), r
     assert (rc == 3) == bool(data["missed"]), log  # 3 only for a miss, each one printed
     assert log.count("# MISS:") == len(data["missed"]), log
