@@ -8,7 +8,7 @@ See README.md to start, docs/algorithms.md for the algorithms and their costs,
 docs/architecture.md for how the package is put together, bench/README.md for the benchmarks.
 """
 
-from . import checkpoint, optim, parallel
+from . import checkpoint, optim, parallel, straggler
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .communicator import Communicator, Request
@@ -19,6 +19,7 @@ from .errors import (ABORT_CODE, CheckpointError, CollectiveMismatchError, Colle
                      PeerFailedError, RingcollError)
 from .inprocess import run_threads, simulate
 from .mesh import Mesh
+from .repartition import Repartitioner
 from .transport.trace import Message, Receive, Trace
 from .tuning import Tuning, TuningFileError
 
@@ -50,6 +51,7 @@ __all__ = [
     "Message",
     "PeerFailedError",
     "Receive",
+    "Repartitioner",
     "Request",
     "RingcollError",
     "Trace",
@@ -65,5 +67,6 @@ __all__ = [
     "run_threads",
     "save_checkpoint",
     "simulate",
+    "straggler",
     "wrap",
 ]
