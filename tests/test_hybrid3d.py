@@ -5,8 +5,8 @@ the dp all-reduce overlapped with the last micro-batch's backward.
   1F1B and GPipe), 1 x 2 x 2, 1 x 3 x 2 (uneven tp splits; stage 0 holds layers 0-2 and
   ends on a gathered column layer) and 2 x 2 x 2 with m = 1: every rank's shards of its stage
   equal the same slices of the single-process run (float64, 1e-10), the accuracy and the
-  loss history are the one-process run's. Checkpoints of tp-split stages: saved at 2 x 2 x 2, resumed there,
-  at 1 x 2 x 2 and in one process, each ending on the single-process run.
+  loss history are the one-process run's. Checkpoints of tp-split stages: saved at 2 x 2 x 2,
+  resumed there, at 1 x 2 x 2 and in one process, each ending on the single-process run.
 - The hook: Pipeline.run(grad_ready=) hands over every parameter once, its final sum, during
   the stage's last backward action, layer by layer; with DistributedOptimizer.grad_ready a
   bucket's all-reduce has started before the stage's last backward action finished (the
