@@ -1,4 +1,5 @@
 """mpiexec -n 4 python scripts/train_hybrid.py --dp 2 --tp 2     (or: --dp 2 --pp 2)
+   mpiexec -n 8 python scripts/train_hybrid.py --dp 2 --tp 2 --pp 2
 
 Hybrid-parallel training of the digits MLP of scripts/train_digits.py (its data, model,
 initialisation, loss, batch order and SGD with momentum) on a ringcoll.Mesh of the ranks:
@@ -13,6 +14,22 @@ initialisation, loss, batch order and SGD with momentum) on a ringcoll.Mesh of t
           averaged over mesh.dp only (DistributedOptimizer), never over tp or pp.
 
 D defaults to what T and P leave of the ranks.
+
+All three together (--tp T --pp P, any D): each pipeline stage is its own Megatron sequence of
+its layers over mesh.tp: its first layer column-parallel, then alternating, and its last
+layer, when column-parallel, gathers its output. The rule at a stage boundary: the activation
+that crosses it (and its gradient coming back) is whole, the same on every tp rank of the
+stage, so stage s's tp rank i simply sends it to stage s+1's tp rank i (the pp groups are the
+ranks sharing (dp, tp) coordinates). It costs one all-gather per stage that ends on a column
+layer; with the digits' 3 layers at P = 2 (layers 0-1 | 2) no stage does: the boundary falls
+after a row layer. The last stage's tp ranks all compute the loss (on the gathered logits);
+its tp rank 0 reports it.
+
+Overlap (with --pp): the stage hands each layer's gradient to the DistributedOptimizer
+(grad_ready) as soon as the backward of the last micro-batch has gone through that layer
+(Pipeline.run's grad_ready hook), so the dp all-reduce of the later layers' buckets runs in the
+background while the earlier layers' backward still runs; --bucket-kb sets the bucket size
+(default with --pp: 64 KiB, about a layer of the digits model; else DDP's 25 MiB).
 
   --checkpoint DIR  every --save-every N steps, save the model and the optimizer state to DIR
           (a sharded ringcoll checkpoint, each rank its blocks, replacing the previous one
@@ -59,6 +76,9 @@ def parse(argv=None):
     ap.add_argument("--poll-us", type=float, default=None,
                     help="pipeline receives poll every N us instead of blocking (default: 50 "
                          "when the ranks outnumber the cores, else block; 0: block)")
+    ap.add_argument("--bucket-kb", type=float, default=None,
+                    help="DistributedOptimizer bucket size in KiB (default: 64 with --pp, "
+                         "so the dp all-reduce overlaps the last backward; else 25600)")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--batch", type=int, default=96, help="global batch (split over dp)")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -119,33 +139,49 @@ def reference(args, data, dp=1):
 
 
 # -- the models ---------------------------------------------------------------------------------
-def tensor_parallel_model(tp, params):
-    """The MLP with layers alternately column- and row-parallel over tp (Megatron's pairing):
-    a column layer's output columns are the next row layer's input rows, so only the row
-    layer communicates; the last layer, if column-parallel, gathers its output (the logits)."""
+def tensor_parallel_model(tp, params, first=0, last=None):
+    """Layers first..last-1 of the MLP, alternately column- and row-parallel over tp
+    (Megatron's pairing), starting with a column layer: a column layer's output columns are
+    the next row layer's input rows, so only the row layer communicates; the last of these
+    layers, if column-parallel, gathers its output, so what comes out is whole on every tp
+    rank (the logits, or a pipeline stage's output). Copies of this rank's shards of params
+    (from_full): the model owns them."""
     n = len(params) // 2
+    last = n if last is None else last
     layers = []
-    for i in range(n):
+    for i in range(first, last):
         w, b, names = params[f"W{i}"], params[f"b{i}"], (f"W{i}", f"b{i}")
-        if i % 2 == 0:
-            layers.append(ColumnParallelLinear.from_full(tp, w, b, gather_output=i == n - 1,
+        if (i - first) % 2 == 0:
+            layers.append(ColumnParallelLinear.from_full(tp, w, b, gather_output=i == last - 1,
                                                          names=names))
         else:
             layers.append(RowParallelLinear.from_full(tp, w, b, names=names))
-        if i < n - 1:
+        if i < n - 1:  # every layer but the model's last is followed by its ReLU
             layers.append(Activation("relu"))
     return Sequential(layers)
 
 
-def pipeline_stage(pp, params):
-    """This stage's consecutive layers of the MLP (views of params)."""
+def pipeline_stage(pp, params, tp=None):
+    """This stage's consecutive layers of the MLP: views of params, or with tp (size > 1) a
+    tensor-parallel model of them over tp (tensor_parallel_model: whole activations in and
+    out, so stage boundaries carry whole arrays between equal tp ranks)."""
     n = len(params) // 2
     if n < pp.size:
         raise ringcoll.InvalidArgumentError(
             f"ringcoll rank {pp.rank}, train_hybrid: {n} layers cannot fill {pp.size} pipeline "
             f"stages; use --pp <= {n} or more --hidden layers")
     layers = partition(n, pp.size)[pp.rank]
+    if tp is not None and tp.size > 1:
+        return tensor_parallel_model(tp, params, layers.start, layers.stop)
     return mlp(params, "relu", layers.start, layers.stop)
+
+
+def build_model(mesh, params):
+    """This rank's model on the mesh: its pipeline stage (tensor-parallel over mesh.tp when
+    tp > 1) with pp > 1, else the tensor-parallel MLP (whole, at tp = 1)."""
+    if mesh.pp.size > 1:
+        return pipeline_stage(mesh.pp, params, mesh.tp)
+    return tensor_parallel_model(mesh.tp, params)
 
 
 # -- checkpoints ------------------------------------------------------------------------------
@@ -176,27 +212,26 @@ def save(args, mesh, model, opt, step, loss_sum):
 def train(mesh, args, data, log=None):
     """Train on the mesh; returns (this rank's parameters, the model's test accuracy, the
     per-epoch (loss, accuracy) history). Every rank of the mesh calls it."""
-    if mesh.tp.size > 1 and mesh.pp.size > 1:
-        raise ringcoll.InvalidArgumentError(
-            f"ringcoll rank {mesh.comm.rank}, train_hybrid: this example combines dp with tp "
-            "or with pp, not all three; pass --tp or --pp")
     x_train, y_train, x_test, y_test = (a.astype(args.dtype) if a.dtype.kind == "f" else a
                                         for a in data)
     dp, d = mesh.dp.size, mesh.dp.rank
     full = initial_params(args, data)  # the same on every rank (one seed)
+    model = build_model(mesh, full)
     if mesh.pp.size > 1:
-        model = pipeline_stage(mesh.pp, full)
         poll = (default_poll(mesh.comm) if args.poll_us is None
                 else args.poll_us / 1e6 or None)
         pipe = Pipeline(mesh.pp, model, args.schedule, poll=poll)
         args.poll = poll  # reported by main()
         first, last = pipe.first, pipe.last
     else:
-        model = tensor_parallel_model(mesh.tp, full)
-        pipe, first, last = None, True, mesh.tp.rank == 0  # tp rank 0 reports the loss
+        pipe, first, last = None, True, True
+    reports = last and mesh.tp.rank == 0  # one rank per replica adds up the loss
     params = model.params  # this rank's shards or stage: what it updates
+    bucket_kb = args.bucket_kb if args.bucket_kb is not None else (
+        64 if pipe is not None else 25 * 1024)
     opt = ringcoll.DistributedOptimizer(
-        ringcoll.optim.SGD(params, lr=args.lr, momentum=args.momentum), mesh.dp)
+        ringcoll.optim.SGD(params, lr=args.lr, momentum=args.momentum), mesh.dp,
+        bucket_bytes=max(1, int(bucket_kb * 1024)))
     done = resume(args, mesh, model, opt)  # the steps a checkpoint holds: skipped below
     history, step = [], 0
     for epoch, epoch_rows in enumerate(batches(args, len(x_train), dp), 1):
@@ -218,13 +253,16 @@ def train(mesh, args, data, log=None):
                 _, grads = model.backward(dlogits, cache, input_grad=False)
             else:
                 micro = [mine[sl] for sl in micro_batches(share, args.micro_batches)]
+                # each layer's gradient goes to the optimizer when final (grad_ready): its
+                # bucket's dp all-reduce overlaps the last micro-batch's remaining backward
                 res = pipe.run([len(m) for m in micro],
                                inputs=[x_train[m] for m in micro] if first else None,
                                loss=(lambda j, y: digits.loss_and_grad_logits(
-                                   y, y_train[micro[j]], scale)) if last else None)
-                loss, grads = sum(res.losses), res.grads
+                                   y, y_train[micro[j]], scale)) if last else None,
+                               grad_ready=opt.grad_ready)
+                loss, grads = sum(res.losses), None  # handed over already
             opt.step(grads)  # averaged over mesh.dp
-            loss_sum += loss / dp if last else 0.0
+            loss_sum += loss / dp if reports else 0.0
             if args.checkpoint and step % args.save_every == 0:
                 save(args, mesh, model, opt, step, loss_sum)
         # one reporting rank per replica adds its share: the mean loss of the global batches
@@ -252,9 +290,9 @@ def evaluate(mesh, model, pipe, x, y):
 def compare(mesh, params, ref_params, model_kind):
     """The largest |this run - the single-process run| over every parameter of every rank."""
     if model_kind == "pp":
-        expected = pipeline_stage(mesh.pp, ref_params).params
+        expected = pipeline_stage(mesh.pp, ref_params, mesh.tp).params  # the same shards
     else:
-        expected = tensor_parallel_model(mesh.tp, ref_params).params  # the same shards
+        expected = tensor_parallel_model(mesh.tp, ref_params).params
     mine = max(float(np.abs(params[k].astype(np.float64) - expected[k]).max()) for k in params)
     return float(mesh.comm.allreduce(np.array([mine]), op="max")[0])
 

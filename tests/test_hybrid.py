@@ -1,7 +1,8 @@
 """Hybrid (data x tensor, data x pipeline) training, in both tiers.
 
 - Thread tier: scripts/train_hybrid.py's train() on 4 thread ranks, on synthetic data, at
-  dp x tp = 2 x 2 and 1 x 4, dp x pp = 2 x 2 (1F1B and GPipe) and 1 x 4, and dp = 4: every
+  dp x tp = 2 x 2 and 1 x 4, dp x pp = 2 x 2 (1F1B and GPipe) and 1 x 4, dp = 4, and
+  tp x pp = 2 x 2 (tensor-parallel stages; all three axes: tests/test_hybrid3d.py): every
   rank's parameters (its shards or its stage's layers) equal the same slices of a
   single-process run of the same loop and seed (float64, 1e-10), and so does the accuracy.
 - MPI tier: tests/mpi_parallel.py at -n 4 (the tensor-parallel, pipeline and mesh checks of
@@ -39,6 +40,7 @@ def synthetic(n=240, n_test=60, features=20, seed=3):
 @pytest.mark.parametrize("dp,tp,pp,schedule,hidden", [
     (2, 2, 1, "1f1b", [24, 16]), (1, 4, 1, "1f1b", [24, 16]), (4, 1, 1, "1f1b", [24, 16]),
     (2, 1, 2, "1f1b", [24, 16]), (2, 1, 2, "gpipe", [24, 16]), (1, 1, 4, "1f1b", [24, 16, 12]),
+    (1, 2, 2, "1f1b", [24, 16]), (1, 2, 2, "gpipe", [24, 16, 12]),
 ])
 def test_hybrid_training_equals_one_process(dp, tp, pp, schedule, hidden):
     args = train_hybrid.parse(["--epochs", "2", "--batch", "24", "--dtype", "float64",
@@ -76,17 +78,6 @@ def test_the_comparison_sees_a_wrong_run():
         return train_hybrid.compare(mesh, params, ref_params, "tp")
 
     assert all(1e-7 < d < 2e-6 for d in ringcoll.run_threads(4, body, timeout=TIMEOUT))
-
-
-def test_tp_and_pp_together_are_refused():
-    args = train_hybrid.parse(["--epochs", "1"])
-
-    def body(comm):
-        with pytest.raises(ringcoll.InvalidArgumentError, match="not all three"):
-            train_hybrid.train(ringcoll.Mesh(comm, tp=2, pp=2), args, synthetic())
-        return True
-
-    assert ringcoll.run_threads(4, body, timeout=TIMEOUT) == [True] * 4
 
 
 # -- MPI tier -----------------------------------------------------------------------------------

@@ -29,6 +29,20 @@ Bubble: if F takes t_f and B t_b on every stage, both schedules take (m + p - 1)
 of which each stage is busy m (t_f + t_b): an idle fraction of (p - 1)/(m + p - 1). 1F1B's gain
 is memory: stage s holds at most min(p - s, m) micro-batches' caches at once, GPipe m.
 
+Overlap with data parallelism (run(..., grad_ready=)): a stage's gradient of a parameter is
+final once the stage has run the backward of its LAST micro-batch through that parameter's
+layer. The schedule's last B action is that backward for every layer; during it a Sequential
+stage is walked layer by layer, last layer first, and grad_ready(name, summed gradient) is
+called for each of the layer's parameters as soon as the layer is done, before the layers in
+front of it run their backward. Handed to DistributedOptimizer.grad_ready (over mesh.dp),
+the later layers' buckets start their all-reduce in the background while the earlier layers'
+backward still runs (in both schedules B(m-1) is a stage's last action, so what follows it is
+the optimizer's wait for the rest):
+
+    stage s, 1F1B, m = 4:  ... F3 B2 [B3: layer L-1 .. 0] step
+                                          |-> bucket 0 all-reduce (over dp) ....|
+                                                 |-> bucket 1 ...                |wait
+
 Communication per micro-batch and stage boundary: one activation (rows x width) forward and one
 gradient of the same shape backward, point-to-point (Communicator.isend / recv): a + n B b
 each, with n B the activation's bytes. Tags: 0 forward, 1 backward; each stream is sent and
@@ -42,6 +56,7 @@ import numpy as np
 
 from ..arrays import Partition
 from ..errors import InvalidArgumentError, where
+from .layers import Sequential
 
 FORWARD, BACKWARD = 0, 1  # the message tags of activations and of gradients
 
@@ -142,10 +157,13 @@ class PipelineResult:
         busy: seconds of compute (forward, backward, loss); elapsed: from the start to the end
             of this stage's last action (its wait for sends not included)
         peak_in_flight: the most micro-batches whose caches this stage held at once
+        final_at: {param name: seconds from the run's start when its gradient became final
+            and was handed to grad_ready} (empty without grad_ready)
     """
 
     def __init__(self):
         self.grads, self.losses, self.outputs, self.timeline = {}, [], [], []
+        self.final_at = {}
         self.busy = self.elapsed = 0.0
         self.peak_in_flight = 0
 
@@ -198,7 +216,7 @@ class Pipeline:
             return self.comm.irecv(out, source, tag).wait(poll=self.poll)
         return self.comm.recv(out, source, tag)
 
-    def run(self, rows, inputs=None, loss=None):
+    def run(self, rows, inputs=None, loss=None, grad_ready=None):
         """One forward and backward pass of every micro-batch, in this stage's schedule order.
 
         Args:
@@ -215,8 +233,11 @@ class Pipeline:
         stage, comm, s = self.stage, self.comm, self.index
         res, caches, dys, sends = PipelineResult(), {}, {}, []
         res.losses = [None] * len(rows) if self.last else []
+        actions = list(self.schedule(self.stages, s, len(rows)))
+        # the last backward action: the one after which every gradient is final
+        final = max((i for i, (kind, _) in enumerate(actions) if kind == "B"), default=None)
         start = time.perf_counter()
-        for kind, j in self.schedule(self.stages, s, len(rows)):
+        for i, (kind, j) in enumerate(actions):
             if kind == "F":
                 x = inputs[j] if self.first else self._receive(rows[j], stage.in_features,
                                                                s - 1, FORWARD)
@@ -232,12 +253,8 @@ class Pipeline:
                 dy = dys.pop(j) if self.last else self._receive(rows[j], stage.out_features,
                                                                 s + 1, BACKWARD)
                 t0 = time.perf_counter()
-                dx, grads = stage.backward(dy, caches.pop(j), input_grad=not self.first)
-                for name, g in grads.items():
-                    if name in res.grads:
-                        res.grads[name] += g
-                    else:
-                        res.grads[name] = g
+                hand = grad_ready if i == final else None
+                dx = self._backward(dy, caches.pop(j), res, hand, start)
                 t1 = time.perf_counter()
                 if not self.first:
                     sends.append(comm.isend(dx, s - 1, BACKWARD))
@@ -248,6 +265,35 @@ class Pipeline:
         for r in sends:
             r.wait()
         return res
+
+    def _backward(self, dy, cache, res, grad_ready, start):
+        """The stage's backward of one micro-batch, its gradients added into res.grads;
+        with grad_ready (the last micro-batch), each layer's summed gradients are handed over
+        as soon as that layer is done. Returns dx (None on stage 0)."""
+        stage, total = self.stage, res.grads
+
+        def add(grads):
+            for name, g in grads.items():
+                if name in total:
+                    total[name] += g
+                else:
+                    total[name] = g
+            if grad_ready is not None:
+                for name in grads:
+                    res.final_at[name] = time.perf_counter() - start
+                    grad_ready(name, total[name])
+
+        if grad_ready is None or not isinstance(stage, Sequential):
+            dx, grads = stage.backward(dy, cache, input_grad=not self.first)
+            add(grads)
+            return dx
+        # Sequential.backward's loop, handing each layer's gradients over before the layers
+        # in front of it run theirs
+        for k in reversed(range(len(stage.layers))):
+            dy, grads = stage.layers[k].backward(dy, cache[k],
+                                                 input_grad=not self.first or k > 0)
+            add(grads)
+        return dy
 
     def forward_only(self, rows, inputs=None):
         """Forwards only (evaluation): the last stage gets each micro-batch's output in
