@@ -72,8 +72,7 @@ def capture(out):
     def train(mesh, args, data, log=None):
         params, acc, history = real_train(mesh, args, data, log)
         full = train_hybrid.initial_params(args, data)
-        shards = ({} if mesh.pp.size > 1
-                  else train_hybrid.tensor_parallel_model(mesh.tp, full).shards())
+        shards = train_hybrid.build_model(mesh, full).shards()  # this rank's blocks
         pieces = MPI.COMM_WORLD.gather((params, shards), root=0)
         if MPI.COMM_WORLD.rank == 0:
             whole, seen = {k: np.zeros_like(v) for k, v in full.items()}, {}
