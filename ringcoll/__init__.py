@@ -18,6 +18,7 @@ from .errors import (ABORT_CODE, CheckpointError, CollectiveMismatchError, Colle
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
 from .inprocess import run_threads, simulate
+from .local_sgd import LocalSGD
 from .mesh import Mesh
 from .transport.trace import Message, Receive, Trace
 from .tuning import Tuning, TuningFileError
@@ -46,6 +47,7 @@ __all__ = [
     "DistributedOptimizer",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "LocalSGD",
     "Mesh",
     "Message",
     "PeerFailedError",

@@ -24,7 +24,8 @@ LAYERS = [
     {"messages"},
     {"communicator"},
     {"__init__", "__main__", "compat", "inprocess", "distributed", "checkpoint", "compression",
-     "optim", "mesh", "parallel", "explain", "tune", "netsim", "tuning_default", "torch"},
+     "optim", "mesh", "parallel", "explain", "tune", "netsim", "tuning_default", "torch",
+     "local_sgd"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
