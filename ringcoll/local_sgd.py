@@ -23,8 +23,9 @@ step counts are equal on every rank anyway). Then:
   and every rank's parameters become x. (ringcoll.optim.SGD's rule, as torch.optim.SGD's.)
 
 Guarantee: right after a round the replicas are bitwise identical (one all-reduce result,
-the same arithmetic on every rank); between rounds they differ. H = 1 with plain SGD (no
-momentum, or momentum with average_state=True: the update is linear in the gradients) is
+the same arithmetic on every rank); between rounds they differ. H = 1 with SGD (momentum,
+Nesterov and weight decay included, with or without average_state: the update is linear in
+the gradients, so the average of the momentum buffers follows the averaged gradients) is
 synchronous data parallelism up to rounding: the average of the p stepped replicas, in
 place of one step on the averaged gradient. Adam is not linear, so H = 1 Adam is not DP.
 

@@ -7,7 +7,7 @@ Values: integer-valued gradients and parameters, dyadic learning rates: where ev
 intermediate value is a dyadic rational of a few bits (plain SGD, p in 1, 2, 4) the results
 are compared bitwise; elsewhere (momentum, Adam, p = 3) within 1e-10 in float64 (the
 all-reduce may add in another order than the oracle). Replicas are bitwise equal after
-every round, always. tests/mpi_async.py trains under mpiexec.
+every round, always. tests/mpi_stale_local.py trains under mpiexec.
 """
 
 import numpy as np
@@ -111,14 +111,16 @@ def test_period_one_plain_sgd_is_the_average_of_the_stepped_replicas(p):
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
-@pytest.mark.parametrize("kind", ["sgd", "momentum"])
-def test_period_one_equals_synchronous_data_parallelism_where_the_update_is_linear(p, kind):
+@pytest.mark.parametrize("kind,average_state", [("sgd", False), ("momentum", False),
+                                                ("momentum", True)])
+def test_period_one_equals_synchronous_data_parallelism_where_the_update_is_linear(
+        p, kind, average_state):
     """H = 1 averages p stepped replicas; DP steps once on the averaged gradient: the same
-    real number (SGD; momentum too once its buffers are averaged), up to rounding."""
+    real number (SGD, with momentum too: linear in the gradients), up to rounding."""
     steps = 4
 
     def fn(comm):
-        params, _, _ = local(comm, kind, steps, 1, average_state=kind == "momentum")
+        params, _, _ = local(comm, kind, steps, 1, average_state=average_state)
         dp = start_params()
         opt = ringcoll.DistributedOptimizer(inner(kind, dp), comm)
         for s in range(steps):

@@ -3,7 +3,7 @@
 The oracle is one process with no communication: the same inner optimizer, applying at step
 t the average of every rank's step t - k gradients (integer-valued: the average is the exact
 sum divided by p, one rounding, as ringcoll computes it), and the last k at flush(). So every
-comparison is bitwise, on every rank. tests/mpi_async.py runs training under mpiexec.
+comparison is bitwise, on every rank. tests/mpi_stale_local.py trains under mpiexec.
 """
 
 import numpy as np
