@@ -47,8 +47,10 @@ Combinations: backward_passes_per_step and no_sync work per slot as above; op="s
 the cast compressions (fp16, bf16) work (each slot has its own payload); a compressor that
 carries state between steps (top-k's residual, blocking anyway) is refused, and so are
 synchronize() / skip_synchronize() (the gradients applied are k steps old: clip them
-yourself before handing them over). `opt.wait_seconds` is the exposed communication: the
-time step() blocked on an all-reduce (with k >= 1, that of step t - k).
+yourself before handing them over). The inner optimizer's hyper-parameters (a learning-rate
+schedule) are those in effect when an update is applied, at step t, not at step t - k.
+`opt.wait_seconds` is the exposed communication: the time step() blocked on an all-reduce
+(with k >= 1, that of step t - k; flush() counts too, wrapper_state_dict's wait does not).
 """
 
 import json
@@ -325,7 +327,8 @@ class DistributedOptimizer:
         return applied
 
     def zero_grad(self):
-        """Set every gradient to zero (for loops that add into opt.grads themselves)."""
+        """Set every gradient to zero (for loops that add into opt.grads themselves); with
+        staleness, those of the step being filled (the ones in flight are not touched)."""
         for b in self.buckets:
             b.buf[...] = 0
 
