@@ -18,6 +18,7 @@ from .errors import (ABORT_CODE, CheckpointError, CollectiveMismatchError, Colle
                      CommunicatorClosedError, InvalidArgumentError, InvalidTypeError,
                      PeerFailedError, RingcollError)
 from .inprocess import run_threads, simulate
+from .local_sgd import LocalSGD
 from .mesh import Mesh
 from .repartition import Repartitioner
 from .transport.trace import Message, Receive, Trace
@@ -47,6 +48,7 @@ __all__ = [
     "DistributedOptimizer",
     "InvalidArgumentError",
     "InvalidTypeError",
+    "LocalSGD",
     "Mesh",
     "Message",
     "PeerFailedError",

@@ -29,11 +29,34 @@ k-th pass starts the all-reduces; `with opt.no_sync():` marks passes that must n
 
 Gradient clipping (Horovod's pattern): opt.synchronize() waits for the averaged gradients,
 you clip opt.grads, then `with opt.skip_synchronize(): opt.step()`.
+
+Bounded staleness (staleness=k > 0). Step t applies the average of the gradients of step
+t - k, whose all-reduce ran in the background during the k steps in between:
+
+    step t:   backward(t) fills slot t mod (k+1) ... its buckets start as they complete
+              step() -> wait for slot (t-k)'s all-reduce, apply it, free that slot
+    t < k:    nothing is applied (the first k steps only start all-reduces)
+    flush():  wait for and apply the <= k updates still in flight, oldest first
+
+There are k+1 sets of bucket buffers (slots), so memory for gradients is (k+1) x the model;
+`opt.grads` is always the slot being filled: the dict is the same object, but its values are
+re-pointed at the next slot by every step(), so look a gradient up again after a step rather
+than keep a view across steps. Every rank issues the same collectives in the same order and
+applies the same averaged buffers in the same order, so replicas stay bitwise identical.
+Combinations: backward_passes_per_step and no_sync work per slot as above; op="sum" and
+the cast compressions (fp16, bf16) work (each slot has its own payload); a compressor that
+carries state between steps (top-k's residual, blocking anyway) is refused, and so are
+synchronize() / skip_synchronize() (the gradients applied are k steps old: clip them
+yourself before handing them over). The inner optimizer's hyper-parameters (a learning-rate
+schedule) are those in effect when an update is applied, at step t, not at step t - k.
+`opt.wait_seconds` is the exposed communication: the time step() blocked on an all-reduce
+(with k >= 1, that of step t - k; flush() counts too, wrapper_state_dict's wait does not).
 """
 
 import json
 import time
 import zlib
+from collections import deque
 from contextlib import contextmanager
 
 import numpy as np
@@ -76,9 +99,15 @@ class DistributedOptimizer:
             .topk(density)); default none.
         backward_passes_per_step: backward passes whose gradients add up before one
             all-reduce and one update.
+        staleness: k >= 0; step t applies the averaged gradients of step t - k (module
+            docstring). 0 (default): the update of this step, as without the option.
 
     Attributes:
-        grads: dict name -> the parameter's gradient, a view into its bucket.
+        grads: dict name -> the parameter's gradient, a view into its bucket (with
+            staleness, into the bucket of the step being filled: re-pointed by step()).
+        wait_seconds: the time step() (and synchronize()) blocked waiting for all-reduces:
+            the communication that overlap did not hide.
+        in_flight: (property) steps whose update has not been applied yet (<= staleness).
         bytes_sent: bytes this rank has handed to the wire so far (after compression).
         comm_seconds: the time this rank's bucket all-reduces have run so far, overlapped
             or not (the background thread's busy time, plus blocking exchanges such as
@@ -86,7 +115,7 @@ class DistributedOptimizer:
     """
 
     def __init__(self, optimizer, comm=None, op="avg", bucket_bytes=DEFAULT_BUCKET_BYTES,
-                 compression=None, backward_passes_per_step=1):
+                 compression=None, backward_passes_per_step=1, staleness=0):
         if comm is None:
             comm = Communicator()
         self.optimizer, self.comm = optimizer, comm
@@ -96,7 +125,15 @@ class DistributedOptimizer:
         if bucket_bytes < 1 or backward_passes_per_step < 1:
             raise InvalidArgumentError(f"{ctx}bucket_bytes and backward_passes_per_step must be "
                                        ">= 1")
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise InvalidArgumentError(f"{ctx}staleness must be an int >= 0, got {staleness!r}")
+        if staleness and compression is not None and compression.state_keys:
+            raise InvalidArgumentError(
+                f"{ctx}compression {compression.name} carries state between steps "
+                f"({', '.join(compression.state_keys)}) and runs its exchange blocking, which "
+                "staleness cannot hide; use staleness=0 or fp16/bf16/no compression")
         self.op = op
+        self.staleness = staleness
         self.compression = compression or Compressor()
         self.backward_passes_per_step = backward_passes_per_step
         params = optimizer.params
@@ -108,19 +145,17 @@ class DistributedOptimizer:
         if op == "sum" and compression is not None:
             raise InvalidArgumentError(f"{ctx}compression applies to op='avg' (it divides by "
                                        "the process count before casting); drop one of them")
-        self.buckets = _make_buckets(params, bucket_bytes)
-        self._bucket_of = {name: b for b in self.buckets for name in b.names}
-        self.grads = {}
-        for b in self.buckets:
-            offset = 0
-            for name in b.names:
-                p = params[name]
-                self.grads[name] = b.buf[offset:offset + p.size].reshape(p.shape)
-                offset += p.size
-        self.grads = {name: self.grads[name] for name in params}  # registration order
+        # k+1 slots of buckets (one without staleness): (buckets, name -> bucket, grads views)
+        slots = [_make_slot(params, bucket_bytes) for _ in range(staleness + 1)]
+        self.buckets, self._bucket_of, views = slots[0]
+        self.grads = dict(views)
+        self._free = deque(slots[1:])  # slots neither being filled nor in flight
+        self._in_flight = deque()  # started (or completed) slots, oldest first
+        self._filling = slots[0]
         _check_same_layout(comm, params, ctx)
         self.bytes_sent = 0
         self.comm_seconds = 0.0
+        self.wait_seconds = 0.0
         self._passes = 0  # backward passes completed since the last step
         self._next = 0  # the next bucket to start (they start in order)
         self._no_sync = self._skip = False
@@ -183,19 +218,31 @@ class DistributedOptimizer:
         """Wait until opt.grads hold the gradients averaged over all ranks (starting any
         bucket not started yet). Call it before clipping gradients; then step() inside
         skip_synchronize()."""
-        if self._waiting != len(self.grads):
-            missing = [n for b in self.buckets for n in b.names if n in b.waiting]
-            raise RingcollError(f"ringcoll rank {self.comm.rank}, synchronize: the backward pass "
-                                f"is incomplete; hand over the gradients of {missing} first")
-        if self._passes < self.backward_passes_per_step:
-            raise RingcollError(
-                f"ringcoll rank {self.comm.rank}, synchronize: {self._passes} of "
-                f"{self.backward_passes_per_step} backward passes done "
-                "(backward_passes_per_step); run the others first")
+        if self.staleness:
+            raise InvalidArgumentError(
+                f"ringcoll rank {self.comm.rank}, synchronize: not available with "
+                f"staleness={self.staleness} (step() applies gradients averaged {self.staleness} "
+                "step(s) ago, not opt.grads); clip gradients before handing them over")
+        self._check_pass_done("synchronize")
         while self._next < len(self.buckets):
             self._start(self.buckets[self._next])
             self._next += 1
-        for b in self.buckets:
+        self._wait_for(self.buckets)
+
+    def _check_pass_done(self, where):
+        if self._waiting != len(self.grads):
+            missing = [n for b in self.buckets for n in b.names if n in b.waiting]
+            raise RingcollError(f"ringcoll rank {self.comm.rank}, {where}: the backward pass "
+                                f"is incomplete; hand over the gradients of {missing} first")
+        if self._passes < self.backward_passes_per_step:
+            raise RingcollError(
+                f"ringcoll rank {self.comm.rank}, {where}: {self._passes} of "
+                f"{self.backward_passes_per_step} backward passes done "
+                "(backward_passes_per_step); run the others first")
+
+    def _wait_for(self, buckets, exposed=True):
+        """Finish the all-reduces of these buckets, in bucket order."""
+        for b in buckets:
             if b.handle is not None:
                 start = time.perf_counter()
                 if self.op == "sum":
@@ -203,6 +250,8 @@ class DistributedOptimizer:
                 else:
                     self.compression.finish(b.handle)
                 waited = time.perf_counter() - start
+                if exposed:
+                    self.wait_seconds += waited
                 request = _request_in(b.handle)
                 self.comm_seconds += request.seconds if request is not None else waited
                 b.handle = None
@@ -223,19 +272,73 @@ class DistributedOptimizer:
                     f"optimizer's parameters; missing {missing}, unknown {unknown}")
             for name in order:
                 self.grad_ready(name, grads[name])
+        if self.staleness:
+            self._stale_step()
+            return
         if not self._skip:
             self.synchronize()
         self.optimizer.step(self.grads)
         self._passes = self._next = 0
 
+    def _stale_step(self):
+        """Start what is left of this step's slot, apply the slot of step t - k if there is
+        one, and fill a free slot next."""
+        self._check_pass_done("step")
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+            self._next += 1
+        self._in_flight.append(self._filling)
+        self._passes = self._next = 0
+        if len(self._in_flight) > self.staleness:
+            self._apply_oldest()
+        self._fill(self._free.popleft())
+
+    def _apply_oldest(self, exposed=True):
+        slot = self._in_flight.popleft()
+        buckets, _, views = slot
+        self._wait_for(buckets, exposed)
+        self.optimizer.step(views)
+        self._free.append(slot)
+
+    def _fill(self, slot):
+        """Make slot the one the next backward pass writes into (opt.grads re-pointed)."""
+        self._filling = slot
+        self.buckets, self._bucket_of, views = slot
+        self.grads.update(views)
+        self._reset_pass()
+
+    @property
+    def in_flight(self):
+        """Steps whose averaged gradients are started or done but not applied yet."""
+        return len(self._in_flight)
+
+    def flush(self):
+        """Apply every update still in flight (with staleness k, the last min(k, steps)
+        steps'), oldest first, as step() would have; returns how many. Call it at the end of
+        training (or before evaluating or changing the learning rate for the last steps'
+        updates to be in). Nothing happens without staleness."""
+        if self._passes or self._waiting != len(self.grads):
+            raise RingcollError(f"ringcoll rank {self.comm.rank}, flush: a backward pass is in "
+                                "progress; finish it with step() first")
+        applied = 0
+        while self._in_flight:
+            self._apply_oldest()
+            applied += 1
+        return applied
+
     def zero_grad(self):
-        """Set every gradient to zero (for loops that add into opt.grads themselves)."""
+        """Set every gradient to zero (for loops that add into opt.grads themselves); with
+        staleness, those of the step being filled (the ones in flight are not touched)."""
         for b in self.buckets:
             b.buf[...] = 0
 
     @contextmanager
     def skip_synchronize(self):
         """step() inside this block applies opt.grads as they are (after synchronize())."""
+        if self.staleness:
+            raise InvalidArgumentError(
+                f"ringcoll rank {self.comm.rank}, skip_synchronize: not available with "
+                f"staleness={self.staleness}; step() applies step t-{self.staleness}'s average")
         self._skip = True
         try:
             yield self
@@ -266,7 +369,13 @@ class DistributedOptimizer:
 
         It differs from rank to rank (each has its own residual and gradients), so a
         checkpoint keeps every rank's. Refused between a bucket's start and step(): save
-        between steps."""
+        between steps.
+
+        With staleness k > 0 it also has "staleness": k and "pending": the steps in flight,
+        whose all-reduces it waits for (all ranks started them: no rank blocks for long) and
+        saves exactly, as "<bucket>/pending<i>" (i = 0 the oldest): averaged, identical on
+        every rank. A wrapper that loads them applies them at its next steps, as this one
+        would have, so a resumed run is bitwise the uninterrupted one."""
         if self._next or self._waiting != len(self.grads) or any(
                 b.handle is not None for b in self.buckets):
             raise InvalidArgumentError(
@@ -279,9 +388,17 @@ class DistributedOptimizer:
             for key in self.compression.state_keys:
                 if key in b.state:
                     arrays[f"{b.index}/{key}"] = b.state[key].copy()
-        return {"passes": self._passes, "backward_passes_per_step": self.backward_passes_per_step,
-                "compression": self.compression.name, "op": self.op,
-                "buckets": [list(b.names) for b in self.buckets], "arrays": arrays}
+        state = {"passes": self._passes,
+                 "backward_passes_per_step": self.backward_passes_per_step,
+                 "compression": self.compression.name, "op": self.op,
+                 "buckets": [list(b.names) for b in self.buckets], "arrays": arrays}
+        if self.staleness:  # (keys absent at k = 0: checkpoints as before the option)
+            for i, (buckets, _, _) in enumerate(self._in_flight):
+                self._wait_for(buckets, exposed=False)
+                for b in buckets:
+                    arrays[f"{b.index}/pending{i}"] = b.buf.copy()
+            state.update(staleness=self.staleness, pending=len(self._in_flight))
+        return state
 
     def check_wrapper_state_dict(self, state):
         """Raise InvalidArgumentError unless load_wrapper_state_dict(state) would restore
@@ -295,6 +412,18 @@ class DistributedOptimizer:
                     f"{ctx}the saved wrapper has {key} {state.get(key)!r}, this one "
                     f"{value!r}; build the DistributedOptimizer with the same parameters, "
                     "bucket_bytes, compression and op (or load only opt.optimizer)")
+        staleness, pending = state.get("staleness", 0), state.get("pending", 0)
+        if staleness != self.staleness:
+            raise InvalidArgumentError(
+                f"{ctx}the saved wrapper has staleness {staleness!r}, this one "
+                f"{self.staleness}; build the DistributedOptimizer with the same staleness")
+        if not isinstance(pending, int) or not 0 <= pending <= self.staleness:
+            raise InvalidArgumentError(f"{ctx}{pending!r} steps in flight cannot resume with "
+                                       f"staleness={self.staleness}")
+        if self._in_flight:
+            raise InvalidArgumentError(
+                f"{ctx}this wrapper has {len(self._in_flight)} update(s) in flight; load into "
+                "a fresh wrapper (or flush() first)")
         passes = state.get("passes")
         if not isinstance(passes, int) or not 0 <= passes < self.backward_passes_per_step:
             raise InvalidArgumentError(
@@ -302,6 +431,8 @@ class DistributedOptimizer:
                 f"backward_passes_per_step={self.backward_passes_per_step}")
         expected = {f"{b.index}/grads": (b.buf.shape, b.buf.dtype) for b in self.buckets
                     if passes}
+        expected.update({f"{b.index}/pending{i}": (b.buf.shape, b.buf.dtype)
+                         for b in self.buckets for i in range(pending)})
         for key, a in state.get("arrays", {}).items():
             index, _, name = key.partition("/")
             if key in expected:
@@ -315,19 +446,26 @@ class DistributedOptimizer:
                                            "not fit this wrapper's buckets")
         missing = set(expected) - set(state.get("arrays", {}))
         if missing:
-            raise InvalidArgumentError(f"{ctx}the accumulated gradients {sorted(missing)} are "
-                                       "missing")
+            raise InvalidArgumentError(f"{ctx}the accumulated or in-flight gradients "
+                                       f"{sorted(missing)} are missing")
 
     def load_wrapper_state_dict(self, state):
         """Restore wrapper_state_dict()'s output (checked first; nothing changes on error)."""
         self.check_wrapper_state_dict(state)
         self._passes = state["passes"]
+        pending = [self._free.popleft() for _ in range(state.get("pending", 0))]
+        for i, (buckets, _, _) in enumerate(pending):
+            for b in buckets:  # completed all-reduces: no handle, the average in the buffer
+                b.buf[...] = state["arrays"][f"{b.index}/pending{i}"]
+        self._in_flight.extend(pending)
         for b in self.buckets:
             for key in self.compression.state_keys:
                 b.state.pop(key, None)
         for key, a in state["arrays"].items():
             index, _, name = key.partition("/")
             bucket = self.buckets[int(index)]
+            if name.startswith("pending"):
+                continue  # restored above
             if name == "grads":
                 bucket.buf[...] = a
             else:
@@ -338,6 +476,21 @@ def _request_in(handle):
     """The background Request inside a compressor's handle, if it has one."""
     items = handle if isinstance(handle, tuple) else (handle,)
     return next((h for h in items if hasattr(h, "seconds") and hasattr(h, "wait")), None)
+
+
+def _make_slot(params, bucket_bytes):
+    """One set of buckets: (buckets, name -> bucket, name -> gradient view in registration
+    order)."""
+    buckets = _make_buckets(params, bucket_bytes)
+    views = {}
+    for b in buckets:
+        offset = 0
+        for name in b.names:
+            p = params[name]
+            views[name] = b.buf[offset:offset + p.size].reshape(p.shape)
+            offset += p.size
+    return (buckets, {name: b for b in buckets for name in b.names},
+            {name: views[name] for name in params})
 
 
 def _make_buckets(params, bucket_bytes):

@@ -25,7 +25,7 @@ LAYERS = [
     {"communicator"},
     {"__init__", "__main__", "compat", "inprocess", "distributed", "checkpoint", "compression",
      "optim", "mesh", "parallel", "explain", "tune", "netsim", "tuning_default", "torch",
-     "repartition", "straggler"},
+     "repartition", "straggler", "local_sgd"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
