@@ -54,12 +54,15 @@ class MessageRequest(Request):
 
 def _finish(req, poll, t):
     """t.wait(req), after polling t.test(req) every `poll` seconds if poll is set. Over MPI
-    the watchdog ends a poll that never succeeds (the wait is one call, standing still); a
-    transport without one gets t.wait after its timeout, which then ends it (thread ranks:
-    a CollectiveTimeoutError after twice the timeout in all)."""
+    the watchdog ends a poll that never succeeds (the wait is one call, standing still), so a
+    watched transport polls on: falling into MPI's blocking wait there could hold MPICH's
+    lock while the watchdog's MPI_Abort waits for it, and the job would hang. A transport
+    without one gets t.wait after its timeout, which then ends it (thread ranks: a
+    CollectiveTimeoutError after twice the timeout in all)."""
     if poll:
+        watched = getattr(t, "watched", False)
         give_up = time.monotonic() + (getattr(t, "timeout", None) or 60.0)
-        while not t.test(req) and time.monotonic() < give_up:
+        while not t.test(req) and (watched or time.monotonic() < give_up):
             time.sleep(poll)
     t.wait(req)
 

@@ -138,6 +138,9 @@ class Transport:
     rank: int
     size: int
     progress: Progress
+    #: True where a watchdog ends a wait that makes no progress (MPI with RINGCOLL_TIMEOUT):
+    #: a polling wait then polls until it succeeds or the watchdog aborts the job
+    watched = False
 
     def send(self, buf, peer, tag):
         self.wait(self.isend(buf, peer, tag))

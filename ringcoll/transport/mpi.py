@@ -169,6 +169,10 @@ class MPITransport(Transport):
                     "names the rank that differs).\n")
         return "".join(traceback.format_exception(exc))
 
+    @property
+    def watched(self):
+        return self._watchdog is not None
+
     def abort(self, message, linger=0.0):
         """Write message to stderr and end the whole job with ABORT_CODE, `linger` seconds
         later (so other ranks can still print theirs)."""
