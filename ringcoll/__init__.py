@@ -12,6 +12,7 @@ from . import checkpoint, optim, parallel, straggler
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
 from .communicator import Communicator, Request
+from .async_sgd import AsyncSGD, ParameterStore
 from .compression import Compression, Compressor
 from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
 from .errors import (ABORT_CODE, CheckpointError, CollectiveMismatchError, CollectiveTimeoutError,
@@ -37,6 +38,7 @@ def wrap(mpi_comm=None, **options):
 __all__ = [
     "ABORT_CODE",
     "ALLREDUCE_NAMES",
+    "AsyncSGD",
     "CheckpointError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
@@ -51,6 +53,7 @@ __all__ = [
     "LocalSGD",
     "Mesh",
     "Message",
+    "ParameterStore",
     "PeerFailedError",
     "Receive",
     "Repartitioner",

@@ -11,6 +11,8 @@ reference; docs/architecture.md shows a call's path from here to the wire.
 
 from contextlib import contextmanager
 
+import numpy as np
+
 from . import collectives
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .config import MPI_TIMEOUT, Options
@@ -19,6 +21,7 @@ from .arrays import is_device
 from .group import Group
 from .messages import Messages
 from .runner import Plan, Request, Runner
+from .transport.base import WINDOW_DTYPES
 from .transport.trace import Trace, TracingTransport
 from .tuning import resolve as resolve_tuning
 
@@ -650,6 +653,46 @@ class Communicator:
                             cost_model=self.cost_model,
                             tuning=self.tuning if self.tuning is not None else False,
                             cuda_aware=o.cuda_aware, staging_bytes=o.staging_bytes)
+
+    def window(self, initial):
+        """One-sided memory: a ringcoll Window whose part on this rank starts as `initial`.
+
+        Collective over this communicator. `initial` is a 1-D NumPy array of int32, int64,
+        uint32, uint64, float32 or float64 (the dtypes MPI adds atomically), the same dtype on
+        every rank, any size per rank (0 too). Then any rank may, without the owner's
+        participation: win.add(values, target, offset) (target's elements += values),
+        win.fetch(out, target, offset) and win.fetch_add(value, target, offset) (an atomic
+        counter). Each call is complete when it returns; concurrent calls on one element are
+        atomic. Over MPI: MPI_Win_allocate with a passive-target epoch for the window's life
+        (ringcoll/transport/mpi.py). win.close() is collective. See ringcoll.AsyncSGD.
+
+        Example::
+
+            win = comm.window(np.zeros(1, np.int64))        # a counter on every rank
+            ticket = win.fetch_add(1, 0, 0)                 # rank 0's, bumped by this rank
+            comm.barrier(); win.close()
+        """
+        self._g.check_open("window")
+        ctx = where(self.rank, "window")
+        if not isinstance(initial, np.ndarray) or initial.ndim != 1 \
+                or initial.dtype.name not in WINDOW_DTYPES:
+            raise InvalidArgumentError(
+                f"{ctx}initial must be a 1-D NumPy array of one of {', '.join(WINDOW_DTYPES)}, "
+                f"got {getattr(initial, 'dtype', type(initial).__name__)} of shape "
+                f"{getattr(initial, 'shape', None)}")
+        make = getattr(self._g.t, "window", None)
+        if make is None:
+            raise InvalidArgumentError(f"{ctx}this communicator's transport "
+                                       f"({type(self._g.t).__name__}) has no one-sided memory; "
+                                       "use an MPI or thread communicator")
+        # every rank must agree on the dtype first: MPI would scale offsets by each rank's
+        # own element size and add mismatched bytes, silently
+        codes = self.allgather(np.array([WINDOW_DTYPES.index(initial.dtype.name)]))
+        if len(set(codes.tolist())) > 1:
+            raise InvalidArgumentError(f"{ctx}every rank must pass the same dtype; the ranks "
+                                       f"passed {[WINDOW_DTYPES[c] for c in codes]}")
+        return self._runner.run(Plan("window", None, None,
+                                     lambda: make(np.ascontiguousarray(initial))))
 
     @contextmanager
     def trace(self, trace=None, payloads=False):

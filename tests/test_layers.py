@@ -25,7 +25,7 @@ LAYERS = [
     {"communicator"},
     {"__init__", "__main__", "compat", "inprocess", "distributed", "checkpoint", "compression",
      "optim", "mesh", "parallel", "explain", "tune", "netsim", "tuning_default", "torch",
-     "repartition", "straggler", "local_sgd"},
+     "repartition", "straggler", "local_sgd", "async_sgd"},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -19,6 +19,9 @@ that is P2P modulo VIEW_STRIDE, so user messages and ringcoll's own can never ma
 
 from enum import IntEnum
 from functools import partial
+from numbers import Integral
+
+from ..errors import InvalidArgumentError
 
 
 class Tag(IntEnum):
@@ -258,3 +261,65 @@ class View(Transport):
 
     def fail(self, exc, why=None):
         self.parent.fail(exc, why)
+
+
+class Window:
+    """One-sided memory: every rank exposes a 1-D array that any rank reads and adds into
+    without the owner taking part (MPI's passive-target RMA). Made collectively by
+    `t.window(initial)`; `initial` is this rank's part (its size may differ per rank).
+
+    Every call completes before it returns, at the origin and at the target, so what it wrote
+    is visible to every later call of any rank. Calls on one target element are atomic with
+    respect to each other (MPI's accumulate atomicity): concurrent adds never lose an update,
+    and a fetch sees an element before or after an add, never half of one. Nothing else is
+    ordered: a fetch of a range may see one rank's add in some elements and not yet in others.
+
+    `local` is this rank's part as an array: read it only when no rank can be adding (after a
+    barrier that follows the last add), and never write it while the window is open.
+    """
+
+    rank: int
+    size: int
+    counts: tuple  # every rank's part, in elements
+    dtype: object
+    local: object
+
+    def check(self, call, values, target, offset):
+        """Raise InvalidArgumentError unless values (a 1-D array of the window's dtype) fits
+        target's part at offset: MPI would corrupt memory or abort, not raise."""
+        ctx = f"ringcoll rank {self.rank}, Window.{call}: "
+        if not isinstance(target, Integral) or not 0 <= target < self.size:
+            raise InvalidArgumentError(f"{ctx}target must be a rank 0..{self.size - 1}, got "
+                                       f"{target!r}")
+        if getattr(values, "dtype", None) != self.dtype or values.ndim != 1 \
+                or not values.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"{ctx}pass a 1-D contiguous {self.dtype} array (the window's dtype), got "
+                f"{getattr(values, 'dtype', type(values).__name__)} of shape "
+                f"{getattr(values, 'shape', None)}")
+        if not isinstance(offset, Integral) or offset < 0 or \
+                offset + values.size > self.counts[target]:
+            raise InvalidArgumentError(
+                f"{ctx}elements [{offset}, {offset}+{values.size}) are outside rank {target}'s "
+                f"part of {self.counts[target]} elements")
+
+    def add(self, values, target, offset):
+        """target's part[offset:offset + values.size] += values (atomic per element)."""
+        raise NotImplementedError
+
+    def fetch(self, out, target, offset):
+        """out[...] = target's part[offset:offset + out.size] (atomic per element)."""
+        raise NotImplementedError
+
+    def fetch_add(self, value, target, offset):
+        """The old value of target's part[offset], to which value is added, as one atomic
+        step (MPI_Fetch_and_op): a counter every rank can bump and read."""
+        raise NotImplementedError
+
+    def close(self):
+        """Collective: every rank calls it once its last call returned."""
+        raise NotImplementedError
+
+
+#: dtypes a Window holds: those every MPI library can add atomically (predefined datatypes)
+WINDOW_DTYPES = ("int32", "int64", "uint32", "uint64", "float32", "float64")

@@ -23,10 +23,12 @@ import time
 import traceback
 from functools import partial
 
+import numpy as np
 from mpi4py import MPI
+from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..errors import ABORT_CODE, CollectiveMismatchError, InvalidArgumentError
-from .base import Progress, Transport, size_mismatch
+from .base import Progress, Transport, Window, size_mismatch
 
 BYTE = MPI.BYTE
 
@@ -212,6 +214,10 @@ class MPITransport(Transport):
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
 
+    def window(self, initial):
+        """Collective: a Window (base.py) over MPI_Win_allocate; see _MPIWindow."""
+        return _MPIWindow(self.comm, initial)
+
     def cuda_support(self):
         """(aware, why): can this MPI library read and write CUDA device memory?
 
@@ -270,6 +276,59 @@ class MPITransport(Transport):
 
     def native_barrier(self):
         self.comm.Barrier()
+
+
+class _MPIWindow(Window):
+    """A Window in MPI memory: MPI_Win_allocate on every rank (MPI's own memory, which on one
+    node is shared memory the origin's MPI writes directly, so a sleeping or computing owner
+    never delays a call) and one passive-target access epoch to every rank for the window's
+    whole life (MPI_Win_lock_all at creation, unlock at close). Each call is then one RMA
+    operation and MPI_Win_flush(target), which completes it at the target.
+
+    add is MPI_Accumulate(MPI_SUM); fetch is MPI_Get_accumulate(MPI_NO_OP), not MPI_Get: a
+    plain Get concurrent with an Accumulate on the same element is a conflicting access
+    (undefined), while accumulate-family calls on one element are atomic with each other.
+    fetch_add is MPI_Fetch_and_op(MPI_SUM).
+    """
+
+    def __init__(self, comm, initial):
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.dtype = initial.dtype
+        self.counts = tuple(comm.allgather(int(initial.size)))
+        item = self.dtype.itemsize
+        self.win = MPI.Win.Allocate(max(initial.size, 1) * item, item, comm=comm)
+        self.local = np.frombuffer(self.win.tomemory(), self.dtype)[:initial.size]
+        self.local[...] = initial  # before the epoch opens and the barrier: then it is public
+        self.win.Lock_all(MPI.MODE_NOCHECK)  # nobody takes an exclusive lock: no checks
+        self.win.Sync()
+        comm.Barrier()
+        self._type = from_numpy_dtype(self.dtype)
+        self._one = np.empty(1, self.dtype)
+
+    def add(self, values, target, offset):
+        self.check("add", values, target, offset)
+        self.win.Accumulate(values, target, (offset, values.size, self._type), MPI.SUM)
+        self.win.Flush(target)
+
+    def fetch(self, out, target, offset):
+        self.check("fetch", out, target, offset)
+        self.win.Get_accumulate(out, out, target, (offset, out.size, self._type), MPI.NO_OP)
+        self.win.Flush(target)
+
+    def fetch_add(self, value, target, offset):
+        self.check("fetch_add", self._one, target, offset)
+        self.win.Fetch_and_op(np.array([value], self.dtype), self._one, target, offset, MPI.SUM)
+        self.win.Flush(target)
+        return self._one[0].item()
+
+    def close(self):
+        if self.win == MPI.WIN_NULL:
+            return
+        self.win.Unlock_all()
+        self.comm.Barrier()  # no rank frees while another's last call may still target it
+        self.local = None
+        self.win.Free()
 
 
 class _Receive:

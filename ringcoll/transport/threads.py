@@ -17,7 +17,7 @@ import numpy as np
 
 from ..arrays import array_module, is_device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
-from .base import Progress, Tag, Transport, describe_tag, size_mismatch
+from .base import Progress, Tag, Transport, Window, describe_tag, size_mismatch
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -42,6 +42,7 @@ class ThreadWorld:
         self.unexpected = [deque() for _ in range(size)]  # per destination: (src, tag, bytes)
         self.posted = [[] for _ in range(size)]  # per destination: receive requests in order
         self.splits = {}
+        self.windows = {}  # seq -> {rank: (part, lock)}: the ranks' Window memory
         self._failure = None
 
     def failure(self):
@@ -69,6 +70,7 @@ class ThreadTransport(Transport):
         self.size = world.size
         self.progress = Progress()
         self._nsplits = 0
+        self._nwindows = 0
 
     @property
     def timeout(self):
@@ -182,6 +184,27 @@ class ThreadTransport(Transport):
                                           ThreadWorld(len(members), world.timeout, world))
         return ThreadTransport(sub, members.index(self.rank))
 
+    def window(self, initial):
+        """Collective: a Window (base.py) whose parts are plain arrays shared by the threads;
+        see ThreadWindow."""
+        world, seq = self.world, self._nwindows
+        self._nwindows += 1
+        part = np.array(initial, copy=True)
+        with world.cond:
+            table = world.windows.setdefault(seq, {})
+            table[self.rank] = (part, threading.Lock())
+            world.cond.notify_all()
+            world.cond.wait_for(lambda: len(table) == world.size or world.failure(),
+                                world.timeout)
+            if len(table) < world.size:
+                missing = sorted(set(range(world.size)) - set(table))
+                failure = world.failure()
+                cls = PeerFailedError if failure else CollectiveTimeoutError
+                raise cls(f"ringcoll rank {self.rank}, window: rank(s) {missing} did not call "
+                          f"window() within {world.timeout} s"
+                          + (f" (rank {failure[0]} failed: {failure[1]})" if failure else ""))
+        return ThreadWindow(self.rank, [table[r] for r in range(world.size)])
+
     def node_ids(self):
         return [0] * self.size
 
@@ -198,6 +221,44 @@ class ThreadTransport(Transport):
 
     def close(self):
         pass
+
+
+class ThreadWindow(Window):
+    """A Window over threads: each part is an array with its own lock, taken by every call on
+    that part, which makes each call atomic as a whole (stronger than MPI's per-element
+    atomicity, which is all a caller may rely on). close() is not collective here: nothing
+    is freed that another rank could still be using."""
+
+    def __init__(self, rank, parts):
+        self.rank, self.size = rank, len(parts)
+        self._parts = parts
+        self.local = parts[rank][0]
+        self.dtype = self.local.dtype
+        self.counts = tuple(int(part.size) for part, _ in parts)
+        self._one = np.empty(1, self.dtype)  # the shape check() wants of fetch_add's element
+
+    def add(self, values, target, offset):
+        self.check("add", values, target, offset)
+        part, lock = self._parts[target]
+        with lock:
+            part[offset:offset + values.size] += values
+
+    def fetch(self, out, target, offset):
+        self.check("fetch", out, target, offset)
+        part, lock = self._parts[target]
+        with lock:
+            out[...] = part[offset:offset + out.size]
+
+    def fetch_add(self, value, target, offset):
+        self.check("fetch_add", self._one, target, offset)
+        part, lock = self._parts[target]
+        with lock:
+            old = part[offset].item()
+            part[offset] += value
+        return old
+
+    def close(self):
+        self.local = None
 
 
 def _deliver(req, data, src, dst, tag):
