@@ -1,36 +1,54 @@
-"""mpiexec -n 2 python bench/straggler.py [--slow 1:2] [--steps 300] [--json out.json]
+"""python bench/straggler.py [--sizes 2,4] [--slowdowns 1,2,4] [--json F] [--plot F]
 
-One slow rank (a straggler) against data-parallel training: the digits MLP of
-scripts/train_digits.py (scikit-learn's digits, global batch 96, SGD with momentum) for a fixed
-number of steps, with rank 1 slowed by ringcoll.straggler.Slowdown (it sleeps (factor - 1) x
-its compute, so the shared cores stay fair), in each mode:
+One slow rank (a straggler) against every training mode ringcoll has, side by side in one run.
+The driver launches itself under mpiexec once per size (--sizes; each job runs every slowdown
+and mode in turn), then prints one table, checks the targets, writes the JSON and the plot of
+test accuracy against wall time, and exits non-zero if a target is missed.
 
-- sync: synchronous data parallelism, the global batch split equally, never re-split: every
-  step waits for the straggler;
+Workload: scripts/train_digits.py's MLP and data (scikit-learn's digits), float32, SGD with
+momentum, global batch --batch, wider than train_digits' (--hidden 1024 1024) so that a
+step's compute outweighs its communication: a straggler is a compute problem, and with
+sub-millisecond steps the per-step overheads, not the straggler, would be what is measured.
+The last rank is slowed by ringcoll.straggler.Slowdown (it sleeps (factor - 1) x its compute,
+so the shared cores stay fair) by each of --slowdowns. Every mode processes the same number
+of samples (--steps x --batch) from the same initial parameters:
+
+- sync: DistributedOptimizer, the global batch split equally: every step waits for the
+  straggler.
 - repartition: ringcoll.Repartitioner: every --every steps the ranks all-gather their seconds
   per sample and re-split the next global batches in proportion to speed (hysteresis
-  --hysteresis), gradients weighted by sample count (op="sum" of sum-of-losses / batch).
+  --hysteresis), gradients weighted by sample count. Its final parameters must equal sync's
+  (float32 reassociation only: checked, exit 1 otherwise).
+- stale1: DistributedOptimizer(staleness=1): step t applies the averaged gradients of step
+  t - 1, whose all-reduce ran behind step t's compute; equal split.
+- local4, local16: LocalSGD(period=H): each rank steps on its own rows, parameters averaged
+  every H steps; equal split.
+- async: AsyncSGD: each rank pulls the parameters from the sharded one-sided store, computes on
+  its own batch of --batch / p rows and pushes its update, at its own pace, until the store has
+  received --steps x p pushes.
 
-Both run the same global batches in the same order from the same initial parameters, so
-their final parameters must agree (float reassociation only): checked, printed.
+Per mode: wall time, samples/s, test accuracy, each rank's own sample rate (its rows over its
+compute seconds, the straggler's sleep included), and the capacity bound: the sum of the ranks'
+own rates in the sync run at the same slowdown. Efficiency = samples/s / bound. For stale1 the
+exposed wait (the time step() blocked on an all-reduce) over the wall time; for async the
+measured staleness and the fast ranks' sample rate (their rows over their wall time).
 
-The gradients are handed over after the backward pass (opt.step(grads)), not overlapped
-with it: an all-reduce started during rank 0's backward could not progress before the
-straggler's gradients exist, and its background thread, busy-polling MPI, would slow rank
-0's compute on shared cores and spoil the very time being measured.
-
-Per mode: the wall time of steps x batch samples, the samples/s, each rank's own sample rate
-(its rows over its compute seconds, the straggler's sleep included), the final test accuracy.
-The capacity bound is the sum of the ranks' own sample rates measured in the sync run (at the
-equal split); a mode's efficiency is its samples/s over that bound. Target (issue 18):
-repartition >= 90% of the bound with one rank slowed 2x (sync is expected near 67% at -n 2).
-Exit 3 if the target is missed, 1 if the two modes' parameters differ.
+Targets (issue 18), judged at every size >= 2:
+  R  repartition, one rank slowed 2x: >= 90% of the capacity bound.
+  S  stale1, nobody slowed: >= 95% test accuracy and exposed wait <= 5% of the wall time.
+  A  async, one rank slowed 4x: the fast ranks' sample rate >= 90% of theirs unslowed (async
+     at 1x), and >= 95% test accuracy.
+Exit status: 0 all met, 3 a target missed, 1 a wrong result (repartition's parameters differ
+from sync's), 2 a worker job failed.
 """
 
 import argparse
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,107 +58,363 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-import ringcoll  # noqa: E402
-from ringcoll.straggler import Slowdown  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "scripts"))
 from train_digits import (accuracy, backward, forward, init_params, load_data,  # noqa: E402
                           loss_and_grad_logits)
 
-TARGET = 0.90  # of the capacity bound, for repartition
+MODES = ("sync", "repartition", "stale1", "local4", "local16", "async")
+TARGET_REPARTITION = 0.90  # of the capacity bound, one rank slowed 2x
+TARGET_ACCURACY = 0.95  # stale1 (1x) and async (4x)
+TARGET_EXPOSED = 0.05  # stale1's exposed wait / wall, 1x
+TARGET_ASYNC_RATE = 0.90  # async fast ranks' rate at 4x / at 1x
 
 
-def run_mode(comm, mode, args, data, slow):
-    x_train, y_train, x_test, y_test = data
+# -- one mode, on every rank of the worker job ----------------------------------------------------
+class Clock:
+    """Wall time of the run, with snapshots of the parameters for the accuracy curve (copied
+    now, evaluated after the run, so evaluating costs the run nothing but the copy)."""
+
+    def __init__(self, every):
+        self.every = every
+        self.snaps = []
+        self.start = time.perf_counter()
+
+    def snap(self, step, params, force=False):
+        if force or step % self.every == 0:
+            self.snaps.append((time.perf_counter() - self.start,
+                               {k: v.copy() for k, v in params.items()}))
+
+
+def grads_of(params, x, y, scale, slow):
+    grads = {}
+    with slow:
+        acts = forward(params, x)
+        _, dlogits = loss_and_grad_logits(acts[-1], y, scale)
+        backward(params, acts, dlogits, grads.__setitem__)
+    return grads
+
+
+def run_lockstep(ringcoll, comm, mode, args, data, slow):
+    """sync, repartition, stale1, local4, local16: every rank runs args.steps steps of the
+    same global batches (one global order), its share of each by the mode's split."""
+    x_train, y_train = data[0], data[1]
     params = init_params([x_train.shape[1], *args.hidden, 10], args.seed)
-    every = args.every if mode == "repartition" else args.steps + 1  # sync: never re-split
+    sgd = ringcoll.optim.SGD(params, lr=args.lr, momentum=args.momentum)
+    bucket = args.bucket_kb << 10
+    every = args.every if mode == "repartition" else args.steps + 1  # others: never re-split
     rp = ringcoll.Repartitioner(comm, args.batch, every=every, hysteresis=args.hysteresis)
-    opt = rp.distributed_optimizer(ringcoll.optim.SGD(params, lr=args.lr, momentum=0.9),
-                                   bucket_bytes=64 << 10)
+    local = mode.startswith("local")
+    if local:
+        opt = ringcoll.LocalSGD(sgd, comm, period=int(mode[5:]))
+        scale = 1.0 / rp.count  # each rank's own mean gradient
+    else:
+        opt = rp.distributed_optimizer(sgd, bucket_bytes=bucket,
+                                       staleness=1 if mode == "stale1" else 0)
+        scale = rp.grad_scale  # sum over the global batch / its size
     rng = np.random.default_rng(args.seed + 1)  # the same order on every rank
     per_epoch = len(x_train) // args.batch
-    order = None
-    compute = 0.0
-    rows_done = 0
+    compute = rows_done = 0
     comm.barrier()
-    start = time.perf_counter()
+    clock = Clock(args.snap_every)
     for step in range(args.steps):
         if step % per_epoch == 0:
             order = rng.permutation(len(x_train))
         s = step % per_epoch
         rows = rp.shard(order[s * args.batch:(s + 1) * args.batch])
         t0 = time.perf_counter()
-        grads = {}
-        with rp.timed(), slow:
-            acts = forward(params, x_train[rows])
-            _, dlogits = loss_and_grad_logits(acts[-1], y_train[rows], rp.grad_scale)
-            backward(params, acts, dlogits, grads.__setitem__)
+        with rp.timed():
+            grads = grads_of(params, x_train[rows], y_train[rows], scale, slow)
         compute += time.perf_counter() - t0
         rows_done += len(rows)
-        opt.step(grads)  # after the compute, not overlapped: see the docstring
+        opt.step(grads)  # after the compute: see docs/async.md on overlap and busy-polling
         rp.step()
+        clock.snap(step + 1, params)
+    if local:
+        opt.average()
+    elif mode == "stale1":
+        opt.flush()  # the last step's update: the run's samples all count
     comm.barrier()
-    wall = time.perf_counter() - start
-    own = comm.allgather(np.array([rows_done / compute])).tolist()
-    per_step = comm.allgather(np.array([compute / args.steps])).tolist()
-    return {"mode": mode, "wall_s": wall, "samples_per_s": args.steps * args.batch / wall,
-            "wall_ms_per_step": 1e3 * wall / args.steps,
-            "compute_ms_per_step": [1e3 * c for c in per_step], "own_rates": own,
-            "accuracy": accuracy(params, x_test, y_test),
-            "final_split": list(rp.counts), "resplits": len(rp.resplits)}, params
+    wall = time.perf_counter() - clock.start
+    clock.snap(args.steps, params, force=True)
+    out = {"wall_s": wall, "samples": args.steps * args.batch,
+           "own_rate": rows_done / compute, "rows": rows_done,
+           "final_split": list(rp.counts), "resplits": len(rp.resplits)}
+    if mode == "stale1":
+        out["exposed_s"] = opt.wait_seconds
+    return out, params, clock
+
+
+def run_async(ringcoll, comm, args, data, slow):
+    """async: each rank its own batches of batch // p rows (its own order), pushing until the
+    store has received steps x p pushes; the clock stops at this rank's last push."""
+    x_train, y_train = data[0], data[1]
+    params = init_params([x_train.shape[1], *args.hidden, 10], args.seed)
+    p = comm.size
+    share = args.batch // p
+    total = args.steps * p
+    rng = np.random.default_rng(args.seed + 101 + comm.rank)  # every rank its own order
+    opt = ringcoll.AsyncSGD(params, comm, lr=args.lr, momentum=args.momentum)
+    order, at = rng.permutation(len(x_train)), 0
+    compute = rows_done = 0
+    comm.barrier()
+    clock = Clock(args.snap_every)
+    while True:
+        opt.pull()
+        if opt.updates >= total:
+            break
+        if at + share > len(order):
+            order, at = rng.permutation(len(x_train)), 0
+        rows = order[at:at + share]
+        at += share
+        t0 = time.perf_counter()
+        grads = grads_of(params, x_train[rows], y_train[rows], 1.0 / args.batch, slow)
+        compute += time.perf_counter() - t0
+        rows_done += len(rows)
+        opt.push(grads)
+        if comm.rank == 0:
+            clock.snap(opt.pushes, params)
+    mine = time.perf_counter() - clock.start  # this rank's own working time
+    opt.finish()  # every replica = the store
+    wall = time.perf_counter() - clock.start
+    clock.snap(0, params, force=True)
+    stale = np.array(opt.staleness or [0])
+    opt.close()
+    out = {"wall_s": wall, "samples": opt.updates * share, "own_rate": rows_done / compute,
+           "rows": rows_done, "pushes": opt.pushes, "rate": rows_done / mine,
+           "staleness_mean": float(stale.mean()), "staleness_max": int(stale.max())}
+    return out, params, clock
+
+
+def worker(args):
+    import ringcoll
+    from ringcoll.straggler import Slowdown
+
+    comm = ringcoll.Communicator(poll=args.poll_us * 1e-6 or None)
+    p, rank = comm.size, comm.rank
+    data = load_data(args.seed)
+    x_test, y_test = data[2], data[3]
+    rows = []
+    for factor in args.slowdowns:
+        slow = Slowdown(factor if rank == p - 1 else 1.0, rank=rank)
+        finals = {}
+        for mode in args.modes:
+            if mode == "async":
+                out, params, clock = run_async(ringcoll, comm, args, data, slow)
+            else:
+                out, params, clock = run_lockstep(ringcoll, comm, mode, args, data, slow)
+            finals[mode] = params
+            per_rank = {k: comm.allgather(np.array([float(out.get(k, 0.0))])).tolist()
+                        for k in ("own_rate", "rate", "rows", "exposed_s")}
+            row = {"p": p, "slow": factor, "mode": mode, **out, "per_rank": per_rank,
+                   "accuracy": accuracy(params, x_test, y_test),
+                   "curve": [(t, accuracy(snap, x_test, y_test)) for t, snap in clock.snaps]
+                   if rank == 0 else []}
+            rows.append(row)
+            if rank == 0:
+                print(f"  -n {p} slow {factor:g}x {mode:12s} {out['wall_s']:7.2f} s "
+                      f"{100 * row['accuracy']:6.2f}%", flush=True)
+        if "sync" in finals and "repartition" in finals:
+            diff = max(float(np.max(np.abs(finals["sync"][k] - finals["repartition"][k])))
+                       for k in finals["sync"])
+            for row in rows:
+                if row["slow"] == factor and row["mode"] == "repartition":
+                    row["diff_vs_sync"] = diff
+    if rank == 0 and args.json:
+        Path(args.json).write_text(json.dumps(rows))
+    comm.close()
+
+
+# -- the driver ---------------------------------------------------------------------------------
+def efficiency(rows):
+    """Add capacity_bound and efficiency to every row (the bound: sync's own rates summed)."""
+    bound = {(r["p"], r["slow"]): sum(r["per_rank"]["own_rate"]) for r in rows
+             if r["mode"] == "sync"}
+    for r in rows:
+        b = bound.get((r["p"], r["slow"]))
+        r["samples_per_s"] = r["samples"] / r["wall_s"]
+        r["capacity_bound"] = b
+        r["efficiency"] = r["samples_per_s"] / b if b else None
+
+
+def judge(rows):
+    """[(target, p, ok, text)] for every target whose rows ran."""
+    at = {(r["p"], r["slow"], r["mode"]): r for r in rows}
+    verdicts = []
+    for p in sorted({r["p"] for r in rows if r["p"] >= 2}):
+        r = at.get((p, 2.0, "repartition"))
+        if r is not None and r["efficiency"] is not None:
+            ok = r["efficiency"] >= TARGET_REPARTITION
+            verdicts.append(("R", p, ok, f"repartition at 2x: {100 * r['efficiency']:.1f}% of "
+                             f"the bound (>= {100 * TARGET_REPARTITION:.0f}%)"))
+        r = at.get((p, 1.0, "stale1"))
+        if r is not None:
+            exposed = max(r["per_rank"]["exposed_s"]) / r["wall_s"]
+            ok = r["accuracy"] >= TARGET_ACCURACY and exposed <= TARGET_EXPOSED
+            verdicts.append(("S", p, ok, f"stale1 at 1x: {100 * r['accuracy']:.2f}% accuracy "
+                             f"(>= {100 * TARGET_ACCURACY:.0f}%), exposed wait "
+                             f"{100 * exposed:.1f}% of the wall (<= {100 * TARGET_EXPOSED:.0f}%)"))
+        r4, r1 = at.get((p, 4.0, "async")), at.get((p, 1.0, "async"))
+        if r4 is not None and r1 is not None:
+            fast4 = np.mean(r4["per_rank"]["rate"][:-1])
+            fast1 = np.mean(r1["per_rank"]["rate"][:-1])
+            ok = fast4 >= TARGET_ASYNC_RATE * fast1 and r4["accuracy"] >= TARGET_ACCURACY
+            verdicts.append(("A", p, ok, f"async at 4x: fast ranks {fast4:.0f} samples/s = "
+                             f"{100 * fast4 / fast1:.1f}% of their {fast1:.0f} at 1x "
+                             f"(>= {100 * TARGET_ASYNC_RATE:.0f}%), accuracy "
+                             f"{100 * r4['accuracy']:.2f}% (>= {100 * TARGET_ACCURACY:.0f}%)"))
+    return verdicts
+
+
+def table(rows):
+    lines = [f"{'-n':>3s} {'slow':>5s} {'mode':12s} {'wall s':>7s} {'samples/s':>10s} "
+             f"{'of bound':>9s} {'accuracy':>9s}  notes"]
+    for r in rows:
+        eff = f"{100 * r['efficiency']:8.1f}%" if r["efficiency"] is not None else f"{'-':>9s}"
+        note = ""
+        if r["mode"] == "repartition":
+            note = f"split {r['final_split']} ({r['resplits']} re-splits)"
+            if "diff_vs_sync" in r:
+                note += f", max|sync - repartition| {r['diff_vs_sync']:.1e}"
+        elif r["mode"] == "stale1":
+            note = f"exposed wait {100 * max(r['per_rank']['exposed_s']) / r['wall_s']:.1f}%"
+        elif r["mode"] == "async":
+            note = (f"rates {', '.join(f'{v:.0f}' for v in r['per_rank']['rate'])}/s, "
+                    f"staleness mean {r['staleness_mean']:.1f} max {r['staleness_max']}")
+        lines.append(f"{r['p']:3d} {r['slow']:4g}x {r['mode']:12s} {r['wall_s']:7.2f} "
+                     f"{r['samples_per_s']:10.0f} {eff} {100 * r['accuracy']:8.2f}%  {note}")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["p"] for r in rows})
+    slows = sorted({r["slow"] for r in rows})
+    fig, axes = plt.subplots(len(sizes), len(slows), figsize=(4.2 * len(slows),
+                             3.4 * len(sizes)), squeeze=False, sharey=True)
+    for i, p in enumerate(sizes):
+        for j, s in enumerate(slows):
+            ax = axes[i][j]
+            for r in rows:
+                if r["p"] == p and r["slow"] == s and r["curve"]:
+                    t, acc = zip(*r["curve"])
+                    ax.plot(t, [100 * a for a in acc], label=r["mode"], marker=".")
+            ax.set_title(f"-n {p}, last rank slowed {s:g}x")
+            ax.set_xlabel("wall time (s)")
+            ax.set_ylim(80, 100)
+            ax.grid(alpha=0.3)
+            if j == 0:
+                ax.set_ylabel("test accuracy (%)")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def mpiexec_command(args, n):
+    exe = args.mpiexec or shutil.which("mpiexec", path=str(Path(sys.executable).parent)) \
+        or shutil.which("mpiexec")
+    if exe is None:
+        raise SystemExit("bench/straggler.py: no mpiexec (pip install mpich, or pass --mpiexec)")
+    return [exe, *args.mpiexec_args.split(), "-n", str(n)]
+
+
+def driver(args, argv):
+    rows = []
+    for n in args.sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            cmd = [*mpiexec_command(args, n), sys.executable, str(Path(__file__).resolve()),
+                   "--worker", "--json", str(out), *argv]
+            print(f"-n {n}: {' '.join(cmd[:-len(argv)] if argv else cmd)} ...", flush=True)
+            started = time.perf_counter()
+            rc = subprocess.call(cmd, timeout=args.job_timeout)
+            if rc != 0 or not out.exists():
+                print(f"bench/straggler.py: the -n {n} job failed (exit {rc})")
+                return 2
+            rows += json.loads(out.read_text())
+            print(f"-n {n}: {time.perf_counter() - started:.0f} s", flush=True)
+    efficiency(rows)
+    print(f"\n{args.steps} steps x {args.batch} samples, hidden {args.hidden}, lr {args.lr}, "
+          f"momentum {args.momentum}; the last rank slowed; bound = the ranks' own sample "
+          "rates summed (sync run)")
+    print(table(rows))
+    wrong = [r for r in rows if r.get("diff_vs_sync", 0) > 1e-4]
+    verdicts = judge(rows)
+    print()
+    for name, p, ok, text in verdicts:
+        print(f"target {name} -n {p}: {'PASS' if ok else 'MISS'}: {text}")
+    for r in wrong:
+        print(f"WRONG: -n {r['p']} slow {r['slow']:g}x: repartition's parameters differ from "
+              f"sync's by {r['diff_vs_sync']:.2e} (> 1e-4)")
+    status = 1 if wrong else 3 if not all(ok for *_, ok, _ in verdicts) else 0
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows,
+                                               "targets": verdicts, "exit_status": status},
+                                              indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    return status
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="2,4", help="process counts, one mpiexec job each")
+    ap.add_argument("--slowdowns", default="1,2,4", help="factors of the last rank")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--hidden", type=int, nargs="*", default=[1024, 1024])
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--momentum", type=float, default=0.8)
+    ap.add_argument("--every", type=int, default=4, help="repartition's exchange period")
+    ap.add_argument("--hysteresis", type=float, default=0.05)
+    ap.add_argument("--bucket-kb", type=int, default=8192, help="DistributedOptimizer buckets")
+    ap.add_argument("--poll-us", type=float, default=0,
+                    help="Communicator(poll=): sleep between MPI tests (0: block in MPI)")
+    ap.add_argument("--snap-every", type=int, default=5, help="steps between curve points")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the rows, targets and exit status here")
+    ap.add_argument("--plot", help="write the accuracy-against-time plot here (PNG)")
+    ap.add_argument("--mpiexec", help="default: the one beside this Python, else on PATH")
+    ap.add_argument("--mpiexec-args", default="",
+                    help="e.g. '--allow-run-as-root --oversubscribe' for Open MPI")
+    ap.add_argument("--job-timeout", type=float, default=1800)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.sizes = [int(v) for v in args.sizes.split(",")]
+    args.slowdowns = [float(v) for v in args.slowdowns.split(",")]
+    args.modes = args.modes.split(",")
+    bad = sorted(set(args.modes) - set(MODES))
+    if bad:
+        ap.error(f"unknown mode(s) {bad}; choose from {','.join(MODES)}")
+    return args
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--slow", default=os.environ.get("RINGCOLL_BENCH_SLOW", "1:2"),
-                    help="RANK:FACTOR[,...] (default 1:2, or $RINGCOLL_BENCH_SLOW)")
-    ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--batch", type=int, default=96)
-    ap.add_argument("--every", type=int, default=10)
-    ap.add_argument("--hysteresis", type=float, default=0.1)
-    ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--hidden", type=int, nargs="*", default=[256, 128])
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-
-    comm = ringcoll.Communicator()
-    slow = Slowdown.for_rank(args.slow, comm.rank)
-    data = load_data(args.seed)
-    results, finals = [], []
-    for mode in ("sync", "repartition"):
-        result, params = run_mode(comm, mode, args, data, slow)
-        results.append(result)
-        finals.append(params)
-    bound = sum(results[0]["own_rates"])
-    diff = max(float(np.max(np.abs(finals[0][k].astype(np.float64) - finals[1][k])))
-               for k in finals[0])
-    for r in results:
-        r["capacity_bound"] = bound
-        r["efficiency"] = r["samples_per_s"] / bound
-    status = 1 if diff > 1e-4 else (0 if results[1]["efficiency"] >= TARGET else 3)
-    if comm.rank == 0:
-        print(f"-n {comm.size}, slow {args.slow}, {args.steps} steps x {args.batch} samples; "
-              f"capacity bound {bound:.0f} samples/s (own rates at the equal split: "
-              f"{', '.join(f'{v:.0f}' for v in results[0]['own_rates'])})")
-        print(f"{'mode':12s} {'wall s':>7s} {'samples/s':>10s} {'of bound':>9s} "
-              f"{'accuracy':>9s}  final split (re-splits)")
-        for r in results:
-            print(f"{r['mode']:12s} {r['wall_s']:7.2f} {r['samples_per_s']:10.0f} "
-                  f"{100 * r['efficiency']:8.1f}% {100 * r['accuracy']:8.2f}%  "
-                  f"{r['final_split']} ({r['resplits']})  ms/step: wall "
-                  f"{r['wall_ms_per_step']:.2f}, compute "
-                  f"{', '.join(f'{c:.2f}' for c in r['compute_ms_per_step'])}")
-        print(f"max abs diff of the final parameters, sync vs repartition (float32): "
-              f"{diff:.2e}; repartition target >= {100 * TARGET:.0f}% of the bound: "
-              f"{'PASS' if status == 0 else 'MISS' if status == 3 else 'WRONG'}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"processes": comm.size, "slow": args.slow, "steps": args.steps,
-                           "batch": args.batch, "results": results, "max_abs_diff": diff,
-                           "exit_status": status}, f, indent=1)
-    sys.exit(status)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    # the worker gets the same options, minus the driver's own
+    own = {"--json", "--plot", "--mpiexec", "--mpiexec-args", "--job-timeout", "--sizes"}
+    passed, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        key = a.split("=")[0]
+        if key in own:
+            skip = "=" not in a
+            continue
+        passed.append(a)
+    return driver(args, passed)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

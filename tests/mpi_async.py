@@ -183,8 +183,10 @@ def async_learns(comm, p, r):
     pushes = WORLD.allgather(opt.pushes)
     same = same_on_every_rank([params["w"]])
     opt.close()
-    check(f"AsyncSGD learns with a 3x straggler p={p}", everywhere(err < 1e-3) and same,
-          f"max |w - w_true| {err:.1e}, pushes per rank {pushes}")
+    # a straggler's last push may carry a gradient many updates old: the bound leaves room
+    start = float(np.max(np.abs(w_true)))
+    check(f"AsyncSGD learns with a 3x straggler p={p}", everywhere(err < 0.01 * start) and same,
+          f"max |w - w_true| {err:.1e} (from {start:.1f}), pushes per rank {pushes}")
 
 
 def main():

@@ -9,6 +9,9 @@ training on the same global batches, float64 within 1e-10, on every rank.
 """
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -302,16 +305,30 @@ def test_repartitioned_training_under_mpiexec(p, mpi_timings):
 
 
 @mpirun.needs_mpi
-def test_straggler_bench_runs_and_both_modes_agree(tmp_path, mpi_timings):
-    """bench/straggler.py at -n 2, a few steps: it runs, the two modes end with the same
-    parameters, its exit status is its JSON's; the timing target is not judged here."""
+def test_straggler_bench_runs_every_mode_and_judges_its_targets(tmp_path):
+    """bench/straggler.py (the driver, launching its own -n 2 job), a few steps of a small
+    model: every mode at every slowdown runs, repartition ends with sync's parameters, every
+    target is judged, the plot is written and the exit status is its JSON's. The timing
+    targets themselves are not judged here (exit 3 is allowed): they are the bench's job."""
     pytest.importorskip("sklearn", reason="the bench trains on scikit-learn's digits")
-    out = tmp_path / "straggler.json"
-    rc, log, secs = mpirun.launch(2, ["bench/straggler.py", "--steps", "20", "--every", "4",
-                                      "--json", out], timeout=120)
-    mpi_timings["bench/straggler.py -n 2 --steps 20"] = secs
-    assert rc in (0, 3), log[-4000:]  # 3: the throughput target missed (timing, not judged)
+    pytest.importorskip("matplotlib", reason="the bench plots with matplotlib")
+    out, png = tmp_path / "straggler.json", tmp_path / "straggler.png"
+    cmd = [sys.executable, "bench/straggler.py", "--sizes", "2", "--steps", "8", "--batch",
+           "96", "--hidden", "32", "--every", "2", "--job-timeout", "150", "--json", str(out),
+           "--plot", str(png)]
+    run = subprocess.run(cmd, cwd=mpirun.ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    log = run.stdout + run.stderr
+    assert run.returncode in (0, 3), log[-4000:]
     data = json.loads(out.read_text())
-    assert data["exit_status"] == rc and data["max_abs_diff"] < 1e-4, log[-4000:]
-    assert [r["mode"] for r in data["results"]] == ["sync", "repartition"]
-    assert all(sum(r["final_split"]) == 96 for r in data["results"])
+    assert data["exit_status"] == run.returncode, log[-4000:]
+    rows = data["rows"]
+    modes = ["sync", "repartition", "stale1", "local4", "local16", "async"]
+    assert [(r["slow"], r["mode"]) for r in rows] == [(s, m) for s in (1.0, 2.0, 4.0)
+                                                        for m in modes]
+    assert all(0 <= r["accuracy"] <= 1 and r["samples"] > 0 and r["curve"] for r in rows)
+    assert all(r["diff_vs_sync"] < 1e-4 for r in rows if r["mode"] == "repartition")
+    assert all(sum(r["final_split"]) == 96 for r in rows if r["mode"] != "async")
+    assert sorted(t[0] for t in data["targets"]) == ["A", "R", "S"], data["targets"]
+    assert png.stat().st_size > 1000
+    assert "target R -n 2:" in log and "async" in log
