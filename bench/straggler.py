@@ -244,13 +244,13 @@ def judge(rows):
     for p in sorted({r["p"] for r in rows if r["p"] >= 2}):
         r = at.get((p, 2.0, "repartition"))
         if r is not None and r["efficiency"] is not None:
-            ok = r["efficiency"] >= TARGET_REPARTITION
+            ok = bool(r["efficiency"] >= TARGET_REPARTITION)
             verdicts.append(("R", p, ok, f"repartition at 2x: {100 * r['efficiency']:.1f}% of "
                              f"the bound (>= {100 * TARGET_REPARTITION:.0f}%)"))
         r = at.get((p, 1.0, "stale1"))
         if r is not None:
             exposed = max(r["per_rank"]["exposed_s"]) / r["wall_s"]
-            ok = r["accuracy"] >= TARGET_ACCURACY and exposed <= TARGET_EXPOSED
+            ok = bool(r["accuracy"] >= TARGET_ACCURACY and exposed <= TARGET_EXPOSED)
             verdicts.append(("S", p, ok, f"stale1 at 1x: {100 * r['accuracy']:.2f}% accuracy "
                              f"(>= {100 * TARGET_ACCURACY:.0f}%), exposed wait "
                              f"{100 * exposed:.1f}% of the wall (<= {100 * TARGET_EXPOSED:.0f}%)"))
@@ -258,7 +258,7 @@ def judge(rows):
         if r4 is not None and r1 is not None:
             fast4 = np.mean(r4["per_rank"]["rate"][:-1])
             fast1 = np.mean(r1["per_rank"]["rate"][:-1])
-            ok = fast4 >= TARGET_ASYNC_RATE * fast1 and r4["accuracy"] >= TARGET_ACCURACY
+            ok = bool(fast4 >= TARGET_ASYNC_RATE * fast1 and r4["accuracy"] >= TARGET_ACCURACY)
             verdicts.append(("A", p, ok, f"async at 4x: fast ranks {fast4:.0f} samples/s = "
                              f"{100 * fast4 / fast1:.1f}% of their {fast1:.0f} at 1x "
                              f"(>= {100 * TARGET_ASYNC_RATE:.0f}%), accuracy "
