@@ -89,7 +89,7 @@ def test_the_torch_page_has_its_example():
     assert [n for n, _ in doc_examples("torch.md")] == [2]
 
 
-def test_torch_page_example_runs(tmp_path):
+def test_torch_page_example_runs(tmp_path, mpi_timings):
     pytest.importorskip("torch", reason="docs/torch.md's example needs torch: pip install -e "
                         "'.[torch]'")
     ((nprocs, code),) = doc_examples("torch.md")
@@ -97,4 +97,5 @@ def test_torch_page_example_runs(tmp_path):
     script.write_text(code)
     rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
                                   timeout=120, cwd=tmp_path)
+    mpi_timings[f"docs/torch.md example -n {nprocs}"] = secs
     assert rc == 0, f"docs/torch.md's re-partitioning example at -n {nprocs}:\n{out[-3000:]}"
