@@ -13,8 +13,9 @@ epoch). Three ways to weight the gradients, each a fresh run:
 Each must end with the parameters of one process training on the whole global batches in the
 same order (the mean loss; within 1e-10, the max abs difference printed), bitwise identical on
 every rank; every step the ranks' rows, in rank order, must be exactly that step's global batch;
-and at P > 1 the split must have moved in the middle of an epoch.
-Prints 'OK <variant> ...' per variant; exits non-zero if any check fails on any rank.
+and at P > 1 the split must have moved in the middle of an epoch. Then "errors": bad arguments
+to allreduce_gradients and communicator() raise on the rank, before any collective.
+Prints 'OK <check> ...' per check (4); exits non-zero if any check fails on any rank.
 """
 
 import sys
@@ -27,6 +28,7 @@ from mpi4py import MPI
 
 import ringcoll
 import ringcoll.torch
+from ringcoll import InvalidArgumentError, InvalidTypeError
 from ringcoll.torch import RepartitionSampler, allreduce_gradients, sum_hook
 
 N, BATCH, STEPS_PER_EPOCH, EPOCHS = 120, 30, 4, 3  # 30 rows: uneven shares at 4 ranks
@@ -128,6 +130,34 @@ def train(variant, comm):
     return flat(model), rp, used, mine
 
 
+def raises(fn, cls, words):
+    try:
+        fn()
+    except cls as exc:
+        return str(exc).startswith(f"ringcoll rank {WORLD.rank}, ") and words in str(exc)
+    return False
+
+
+def check_errors():
+    """Local checks: each raises at the call on this rank, and no collective has started."""
+    model = make_model(1)
+    emb = torch.nn.Embedding(4, 3, sparse=True)
+    emb(torch.tensor([1, 2])).sum().backward()
+    gloo = dist.new_group(backend="gloo")
+    cases = {
+        "nan scale": raises(lambda: allreduce_gradients(model, float("nan")),
+                            InvalidArgumentError, "rp_or_scale must be a Repartitioner"),
+        "one tensor": raises(lambda: allreduce_gradients(torch.zeros(3), 1.0), InvalidTypeError,
+                             "not one tensor"),
+        "sparse gradient": raises(lambda: allreduce_gradients(emb, 1.0), InvalidTypeError,
+                                  "only dense gradients"),
+        "gloo group": raises(lambda: ringcoll.torch.communicator(gloo), InvalidArgumentError,
+                             "runs on 'gloo', not ringcoll"),
+    }
+    bad = [k for k, ok in cases.items() if not ok]
+    check(f"errors p={WORLD.size}", not bad, f"{len(cases)} cases, failed: {bad}")
+
+
 def main():
     dist.init_process_group("ringcoll")
     comm = ringcoll.torch.communicator()
@@ -153,6 +183,7 @@ def main():
                   f"max abs diff {d:.3e} (bound {TOL:g}); bitwise {bitwise}, same split "
                   f"{same_split}, rows partition every batch {partition}, first split "
                   f"{used[0]}, re-splits {rp.resplits} (mid-epoch at steps {mid})")
+        check_errors()
     except Exception:  # noqa: BLE001 - the others may wait for this rank: end the job
         print(f"FAIL rank {WORLD.rank}:\n{traceback.format_exc()}", flush=True)
         WORLD.Abort(1)

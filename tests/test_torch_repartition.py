@@ -299,5 +299,5 @@ def test_torch_repartitioned_training_under_mpiexec(p, mpi_timings, mpi_notes):
     mpi_timings[f"mpi_torch_repartition -n {p}"] = secs
     assert rc == 0, out[-4000:]
     oks = [line for line in out.splitlines() if line.startswith("OK ")]
-    assert "FAIL" not in out and len(oks) == 3, out[-4000:]
+    assert "FAIL" not in out and len(oks) == 4, out[-4000:]
     mpi_notes.extend(f"P={p} {line[3:]}" for line in oks)
