@@ -1,6 +1,6 @@
 """The README's mpi4py drop-in examples and its PyTorch example run as they stand, under
-mpiexec at 1 and 3 ranks; so do docs/checkpoints.md's examples, at the rank counts their first
-lines name.
+mpiexec at 1 and 3 ranks; so do docs/checkpoints.md's examples and docs/torch.md's
+re-partitioning example, at the rank counts their first lines name.
 
 Every ```python block of the "mpi4py code" section that asserts something is written to a file
 and launched; each must exit 0 (a failed assert on any rank fails the launch).
@@ -83,3 +83,19 @@ def test_checkpoint_page_example_runs(index, tmp_path):
     rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
                                   timeout=120, cwd=tmp_path)
     assert rc == 0, f"docs/checkpoints.md example {index} at -n {nprocs}:\n{out[-3000:]}"
+
+
+def test_the_torch_page_has_its_example():
+    assert [n for n, _ in doc_examples("torch.md")] == [2]
+
+
+def test_torch_page_example_runs(tmp_path, mpi_timings):
+    pytest.importorskip("torch", reason="docs/torch.md's example needs torch: pip install -e "
+                        "'.[torch]'")
+    ((nprocs, code),) = doc_examples("torch.md")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
+                                  timeout=120, cwd=tmp_path)
+    mpi_timings[f"docs/torch.md example -n {nprocs}"] = secs
+    assert rc == 0, f"docs/torch.md's re-partitioning example at -n {nprocs}:\n{out[-3000:]}"

@@ -14,14 +14,21 @@ RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from MPI, and MASTER_ADDR/MAST
 torch's TCP store, chosen on rank 0 and broadcast over MPI (rendezvous.py). That broadcast makes
 the import collective over MPI_COMM_WORLD when MASTER_ADDR or MASTER_PORT is unset: every rank
 imports ringcoll.torch, as every rank initialises MPI.
+
+Dynamic re-partitioning (repartition.py): RepartitionSampler, this rank's share of every global
+batch under a ringcoll.Repartitioner's current split; allreduce_gradients (or the DDP comm hook
+sum_hook), which sums the weighted gradients so the update is the global-batch mean; and
+communicator(), the Communicator under a "ringcoll" group, for the Repartitioner.
 """
 
 import torch.distributed as dist
 
 from .process_group import ProcessGroup, create
 from .rendezvous import fill_env
+from .repartition import RepartitionSampler, allreduce_gradients, communicator, sum_hook
 
-__all__ = ["ProcessGroup", "BACKEND"]
+__all__ = ["ProcessGroup", "BACKEND", "RepartitionSampler", "allreduce_gradients",
+           "communicator", "sum_hook"]
 
 #: the name to pass to dist.init_process_group and dist.new_group(backend=...)
 BACKEND = "ringcoll"
