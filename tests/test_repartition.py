@@ -314,7 +314,7 @@ def test_straggler_bench_runs_every_mode_and_judges_its_targets(tmp_path):
     pytest.importorskip("matplotlib", reason="the bench plots with matplotlib")
     out, png = tmp_path / "straggler.json", tmp_path / "straggler.png"
     cmd = [sys.executable, "bench/straggler.py", "--sizes", "2", "--steps", "8", "--batch",
-           "96", "--hidden", "32", "--every", "2", "--job-timeout", "150", "--json", str(out),
+           "96", "--hidden", "32", "--repeat", "1", "--job-timeout", "150", "--json", str(out),
            "--plot", str(png)]
     run = subprocess.run(cmd, cwd=mpirun.ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
