@@ -95,6 +95,21 @@ class Clock:
                                {k: v.copy() for k, v in params.items()}))
 
 
+class Stream:
+    """Row indices as one stream of epochs, each a fresh permutation; take(n) is the next n
+    (a batch may span epochs, so a global batch may exceed the training set's 1437 rows)."""
+
+    def __init__(self, n, seed):
+        self.n, self.rng = n, np.random.default_rng(seed)
+        self.buf = np.empty(0, np.int64)
+
+    def take(self, count):
+        while len(self.buf) < count:
+            self.buf = np.concatenate([self.buf, self.rng.permutation(self.n)])
+        out, self.buf = self.buf[:count], self.buf[count:]
+        return out
+
+
 def grads_of(params, x, y, scale, slow, ready=None):
     """Forward + backward under the slowdown; every gradient goes to ready(name, grad) as it
     is made (the optimizer's grad_ready, to overlap its all-reduce) or into the dict returned."""
@@ -113,7 +128,7 @@ def own_rate(comm, args, data, slow, steps):
     x_train, y_train = data[0], data[1]
     params = init_params([x_train.shape[1], *args.hidden, 10], args.seed)
     share = args.batch // comm.size
-    rows = np.arange(comm.rank * share, (comm.rank + 1) * share)
+    rows = np.arange(comm.rank * share, (comm.rank + 1) * share) % len(x_train)
     comm.barrier()
     times = []
     for _ in range(steps):
@@ -141,17 +156,13 @@ def run_lockstep(ringcoll, comm, mode, args, data, slow):
         opt = rp.distributed_optimizer(sgd, bucket_bytes=bucket,
                                        staleness=1 if mode == "stale1" else 0)
         scale = rp.grad_scale  # sum over the global batch / its size
-    rng = np.random.default_rng(args.seed + 1)  # the same order on every rank
-    per_epoch = len(x_train) // args.batch
+    stream = Stream(len(x_train), args.seed + 1)  # the same order on every rank
     compute = rows_done = 0
     last = []  # the compute seconds of every step, for the balance at the end
     comm.barrier()
     clock = Clock(args.snap_every)
     for step in range(args.steps):
-        if step % per_epoch == 0:
-            order = rng.permutation(len(x_train))
-        s = step % per_epoch
-        rows = rp.shard(order[s * args.batch:(s + 1) * args.batch])
+        rows = rp.shard(stream.take(args.batch))
         overlap = args.overlap and not local
         t0 = time.perf_counter()
         with rp.timed():
@@ -187,9 +198,8 @@ def run_async(ringcoll, comm, args, data, slow):
     p = comm.size
     share = args.batch // p
     total = args.steps * p
-    rng = np.random.default_rng(args.seed + 101 + comm.rank)  # every rank its own order
+    stream = Stream(len(x_train), args.seed + 101 + comm.rank)  # every rank its own order
     opt = ringcoll.AsyncSGD(params, comm, lr=args.lr, momentum=args.momentum)
-    order, at = rng.permutation(len(x_train)), 0
     compute = rows_done = 0
     comm.barrier()
     clock = Clock(args.snap_every)
@@ -197,10 +207,7 @@ def run_async(ringcoll, comm, args, data, slow):
         opt.pull()
         if opt.updates >= total:
             break
-        if at + share > len(order):
-            order, at = rng.permutation(len(x_train)), 0
-        rows = order[at:at + share]
-        at += share
+        rows = stream.take(share)
         t0 = time.perf_counter()
         grads = grads_of(params, x_train[rows], y_train[rows], 1.0 / args.batch, slow)
         compute += time.perf_counter() - t0
@@ -434,8 +441,8 @@ def parse(argv):
     ap.add_argument("--hidden", type=int, nargs="*", default=[1024, 1024])
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--momentum", type=float, default=0.8)
-    ap.add_argument("--every", type=int, default=2, help="repartition's exchange period")
-    ap.add_argument("--hysteresis", type=float, default=0.05)
+    ap.add_argument("--every", type=int, default=3, help="repartition's exchange period")
+    ap.add_argument("--hysteresis", type=float, default=0.1)
     ap.add_argument("--bucket-kb", type=int, default=8192, help="DistributedOptimizer buckets")
     ap.add_argument("--overlap", action="store_true",
                     help="hand gradients to the optimizer during backward (grad_ready)")
