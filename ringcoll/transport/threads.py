@@ -159,23 +159,29 @@ class ThreadTransport(Transport):
             "collective or called a different one. Raise RINGCOLL_TIMEOUT if the job is just slow."
         )
 
+    def _meet(self, tables, seq, value, call):
+        """Every rank's value in tables[seq] ({rank: value}) once all have put theirs; world.cond
+        must be held. Raises naming the missing ranks if some never come (timeout or failure)."""
+        world = self.world
+        table = tables.setdefault(seq, {})
+        table[self.rank] = value
+        world.cond.notify_all()
+        world.cond.wait_for(lambda: len(table) == world.size or world.failure(), world.timeout)
+        if len(table) < world.size:
+            missing = sorted(set(range(world.size)) - set(table))
+            failure = world.failure()
+            cls = PeerFailedError if failure else CollectiveTimeoutError
+            raise cls(f"ringcoll rank {self.rank}, {call}: rank(s) {missing} did not call "
+                      f"{call}() within {world.timeout} s"
+                      + (f" (rank {failure[0]} failed: {failure[1]})" if failure else ""))
+        return table
+
     def split(self, color, key):
         """Collective over this world: a transport on a new world per color (None: no part)."""
         world, seq = self.world, self._nsplits
         self._nsplits += 1
         with world.cond:
-            table = world.splits.setdefault(seq, {})
-            table[self.rank] = (color, key)
-            world.cond.notify_all()
-            world.cond.wait_for(lambda: len(table) == world.size or world.failure(),
-                                world.timeout)
-            if len(table) < world.size:
-                missing = sorted(set(range(world.size)) - set(table))
-                failure = world.failure()
-                cls = PeerFailedError if failure else CollectiveTimeoutError
-                raise cls(f"ringcoll rank {self.rank}, split: rank(s) {missing} did not call "
-                          f"split() within {world.timeout} s"
-                          + (f" (rank {failure[0]} failed: {failure[1]})" if failure else ""))
+            table = self._meet(world.splits, seq, (color, key), "split")
             if color is None:
                 return None
             members = sorted((r for r, (c, _) in table.items() if c == color),
@@ -191,18 +197,7 @@ class ThreadTransport(Transport):
         self._nwindows += 1
         part = np.array(initial, copy=True)
         with world.cond:
-            table = world.windows.setdefault(seq, {})
-            table[self.rank] = (part, threading.Lock())
-            world.cond.notify_all()
-            world.cond.wait_for(lambda: len(table) == world.size or world.failure(),
-                                world.timeout)
-            if len(table) < world.size:
-                missing = sorted(set(range(world.size)) - set(table))
-                failure = world.failure()
-                cls = PeerFailedError if failure else CollectiveTimeoutError
-                raise cls(f"ringcoll rank {self.rank}, window: rank(s) {missing} did not call "
-                          f"window() within {world.timeout} s"
-                          + (f" (rank {failure[0]} failed: {failure[1]})" if failure else ""))
+            table = self._meet(world.windows, seq, (part, threading.Lock()), "window")
         return ThreadWindow(self.rank, [table[r] for r in range(world.size)])
 
     def node_ids(self):
