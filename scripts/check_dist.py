@@ -109,7 +109,11 @@ def check_sdist(path, root):
                                                         "README.md", "LICENSE"}
     else:
         expected = {name for name in tracked if not name.startswith(NOT_IN_SDIST)}
-    return [f"{path.name} lacks {name}: add it to MANIFEST.in" for name in sorted(expected - names)]
+    package = set(package_files(root).values())
+    return [f"{path.name} lacks {name}: " + ("setup.py's package list or pyproject.toml's "
+                                             "package-data does not reach it" if name in package
+                                             else "add it to MANIFEST.in")
+            for name in sorted(expected - names)]
 
 
 def main(argv=None):

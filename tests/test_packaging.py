@@ -120,6 +120,9 @@ def test_a_wheel_with_other_metadata_fails(tmp_path):
 
 @pytest.mark.skipif(check_dist.tracked_files(ROOT) is None, reason="not a git checkout")
 def test_an_sdist_without_a_tracked_file_fails(tmp_path):
-    bad = sdist(tmp_path, drop={"tests/conftest.py", "README.md"})
-    assert problems_of(bad) == [f"{bad.name} lacks {name}: add it to MANIFEST.in"
-                                for name in ("README.md", "tests/conftest.py")]
+    bad = sdist(tmp_path, drop={"tests/conftest.py", "README.md", "kernels/cuda.py"})
+    assert problems_of(bad) == [
+        f"{bad.name} lacks README.md: add it to MANIFEST.in",
+        f"{bad.name} lacks kernels/cuda.py: setup.py's package list or pyproject.toml's "
+        "package-data does not reach it",
+        f"{bad.name} lacks tests/conftest.py: add it to MANIFEST.in"]
