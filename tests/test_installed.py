@@ -50,8 +50,9 @@ def test_the_public_modules_are_found():
 
 
 def test_every_module_imports(tmp_path):
-    """Each in a fresh interpreter (importing ringcoll.torch initialises MPI and registers a
-    torch backend), from a folder with no ringcoll/ in it."""
+    """All in one fresh interpreter, not this one (importing ringcoll.torch initialises MPI
+    and registers a torch backend), from a folder with no ringcoll/ in it; ringcoll.torch's
+    modules only where torch is installed."""
     wanted = [m for m in modules()
               if not any(m.startswith(prefix) and importlib.util.find_spec(dep) is None
                          for dep, prefix in OPTIONAL.items())]
