@@ -6,7 +6,8 @@
 # exit status and time), the pytest JUnit files and the benchmark JSON into OUTDIR. Steps:
 #
 #   1. nvidia-smi must list a GPU (else: exit 2 at once, saying so);
-#   2. python3 (or $PYTHON) must import numpy, ml_dtypes, pytest and CuPy; a missing CuPy is
+#   2. python3 (or $PYTHON; resolved to its absolute path, which every step and mpiexec then
+#      use) must import numpy, ml_dtypes, pytest and CuPy; a missing CuPy is
 #      installed from the wheels folder (cupy-cuda<major>x for the driver's CUDA major);
 #      a missing MPI (mpi4py that cannot load an MPI library, or no mpiexec) is installed
 #      from the wheels folder (mpich + mpi4py) into a venv that sees the system packages;
@@ -124,7 +125,11 @@ say "GPU(s): $(tr '\n' ';' < "$OUT/nvidia-smi-L.txt"); driver's CUDA major: ${CU
 
 # -- 2. Python, CuPy, MPI -------------------------------------------------------------------
 command -v "$PY" > /dev/null 2>&1 || die "no $PY: set PYTHON=/path/to/python3 (3.10 or newer)"
-say "python: $($PY -c 'import sys; print(sys.executable, sys.version.split()[0])')"
+# The interpreter's own absolute path, from here on: under Open MPI's mpiexec a bare name such
+# as python3 can resolve to another interpreter (on the H200 run, one without numpy).
+PY=$("$PY" -c 'import sys; print(sys.executable)') && [ -x "$PY" ] \
+    || die "${PYTHON:-python3} does not say where it is (sys.executable): set PYTHON=/path/to/python3"
+say "python: $PY $("$PY" -c 'import sys; print(sys.version.split()[0])')"
 WORK=${RINGCOLL_GPU_WORK:-$(mktemp -d -t ringcoll-gpu-XXXXXX)}
 mkdir -p "$WORK" || die "cannot create the work directory $WORK"
 
