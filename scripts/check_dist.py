@@ -5,8 +5,8 @@
 The wheel must hold every file of ringcoll/ (kernels/ as ringcoll/kernels/), .py or data,
 and nothing else besides its .dist-info: no top-level package other than ringcoll, no module
 the tree no longer has (setuptools' build/ folder can keep a deleted one alive). Its metadata
-must carry the version in ringcoll/__init__.py, the dependencies, every extra and the
-`ringcoll` command. The sdist must hold every file git tracks (but .ci/ and .gitignore) so a
+must carry the version in ringcoll/__init__.py, the dependencies and extras pyproject.toml
+declares, and the `ringcoll` command. The sdist must hold every file git tracks (but .ci/ and .gitignore) so a
 packager can build and test from it; outside a git checkout, the package files at least.
 Exits 1, listing every problem, if any check fails.
 """
@@ -14,17 +14,17 @@ Exits 1, listing every problem, if any check fails.
 import argparse
 import ast
 import email.parser
+import re
 import subprocess
 import sys
 import tarfile
+import tomllib
 import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: source folder -> where its files go in the wheel
 PACKAGE_DIRS = {"ringcoll": "ringcoll", "kernels": "ringcoll/kernels"}
-EXTRAS = {"mpich", "test", "bench", "examples", "torch", "cuda", "gpu", "gpu-cuda12"}
-DEPENDENCIES = {"numpy", "mpi4py"}
 NOT_IN_SDIST = (".ci/", ".gitignore")
 
 
@@ -32,7 +32,7 @@ def package_files(root):
     """{path inside the wheel: path in the tree} of every file the package must install."""
     files = {}
     for source, target in PACKAGE_DIRS.items():
-        for path in sorted((root / source).rglob("*")):
+        for path in (root / source).rglob("*"):
             rel = path.relative_to(root / source)
             if path.is_dir() or "__pycache__" in rel.parts or path.suffix in (".pyc", ".pyo"):
                 continue
@@ -48,6 +48,18 @@ def tracked_files(root):
     except (OSError, subprocess.CalledProcessError):
         return None
     return {name for name in out.split("\0") if name and (root / name).is_file()}
+
+
+def project_name(requirement):
+    """'numpy>=1.23' -> 'numpy' (PEP 508: the name comes first)."""
+    return re.match(r"[A-Za-z0-9._-]+", requirement).group()
+
+
+def declared(root):
+    """(dependency names, extra names) as pyproject.toml declares them."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    return ({project_name(r) for r in project["dependencies"]},
+            set(project["optional-dependencies"]))
 
 
 def source_version(root):
@@ -82,14 +94,16 @@ def check_wheel(path, root):
     if meta["Version"] != version:
         problems.append(f"{path.name}: version {meta['Version']}, ringcoll/__init__.py says "
                         f"{version}")
-    extras = set(meta.get_all("Provides-Extra") or [])
-    if extras != EXTRAS:
-        problems.append(f"{path.name}: extras {sorted(extras)}, expected {sorted(EXTRAS)}")
-    requires = {r.split(";")[0].split("=")[0].split(">")[0].split("<")[0].strip()
-                for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r}
-    if requires != DEPENDENCIES:
-        problems.append(f"{path.name}: depends on {sorted(requires)}, expected "
-                        f"{sorted(DEPENDENCIES)}")
+    dependencies, extras = declared(root)
+    given = set(meta.get_all("Provides-Extra") or [])
+    if given != extras:
+        problems.append(f"{path.name}: extras {sorted(given)}, pyproject.toml declares "
+                        f"{sorted(extras)}")
+    requires = {project_name(r) for r in meta.get_all("Requires-Dist") or []
+                if "extra ==" not in r}
+    if requires != dependencies:
+        problems.append(f"{path.name}: depends on {sorted(requires)}, pyproject.toml declares "
+                        f"{sorted(dependencies)}")
     if "ringcoll = ringcoll.__main__:main" not in entry_points:
         problems.append(f"{path.name}: no `ringcoll` console script in entry_points.txt")
     return problems
@@ -103,13 +117,12 @@ def check_sdist(path, root):
         return [f"{path.name}: expected one top folder, found {sorted(top)}"]
     prefix = top.pop() + "/"
     names = {name[len(prefix):] for name in members}
+    package = set(package_files(root).values())
     tracked = tracked_files(root)
     if tracked is None:  # not a git checkout: the package and the build files at least
-        expected = set(package_files(root).values()) | {"pyproject.toml", "setup.py",
-                                                        "README.md", "LICENSE"}
+        expected = package | {"pyproject.toml", "setup.py", "README.md", "LICENSE"}
     else:
         expected = {name for name in tracked if not name.startswith(NOT_IN_SDIST)}
-    package = set(package_files(root).values())
     return [f"{path.name} lacks {name}: " + ("setup.py's package list or pyproject.toml's "
                                              "package-data does not reach it" if name in package
                                              else "add it to MANIFEST.in")

@@ -14,6 +14,8 @@ import pytest
 
 from _mpirun import ROOT
 
+pytest.importorskip("tomllib", reason="scripts/check_dist.py reads pyproject.toml with tomllib "
+                    "(Python 3.11+)")
 sys.path.insert(0, str(ROOT / "scripts"))
 import check_dist  # noqa: E402
 
@@ -22,24 +24,21 @@ INFO = f"ringcoll-{VERSION}.dist-info"
 METADATA = (f"Metadata-Version: 2.4\nName: ringcoll\nVersion: {VERSION}\n"
             "Requires-Dist: numpy>=1.23\nRequires-Dist: mpi4py>=4\n"
             + "".join(f"Provides-Extra: {e}\nRequires-Dist: x; extra == \"{e}\"\n"
-                      for e in sorted(check_dist.EXTRAS)))
+                      for e in sorted(check_dist.declared(ROOT)[1])))
 ENTRY_POINTS = "[console_scripts]\nringcoll = ringcoll.__main__:main\n"
 
 
 def python_folders():
-    return {p.parent for d in ("ringcoll", "kernels") for p in (ROOT / d).rglob("*.py")}
-
-
-def package_of(folder):
-    """ringcoll/checkpoint -> ringcoll.checkpoint; kernels/ installs as ringcoll.kernels."""
-    parts = folder.relative_to(ROOT).parts
-    return ".".join(("ringcoll",) + parts if parts[0] == "kernels" else parts)
+    """{folder as installed, e.g. ringcoll/kernels: its folder in the tree} of every folder
+    holding a .py file."""
+    return {wheel.rsplit("/", 1)[0]: tree.rsplit("/", 1)[0]
+            for wheel, tree in check_dist.package_files(ROOT).items() if wheel.endswith(".py")}
 
 
 def test_every_folder_with_python_in_it_is_a_package():
     """find_packages (setup.py) finds a folder only if it has an __init__.py."""
-    bare = sorted(str(f.relative_to(ROOT)) for f in python_folders()
-                  if not (f / "__init__.py").exists())
+    bare = sorted(tree for tree in python_folders().values()
+                  if not (ROOT / tree / "__init__.py").exists())
     assert not bare, f"setup.py would leave these out of the wheel: give each an __init__.py: {bare}"
 
 
@@ -49,7 +48,7 @@ def test_setup_py_lists_every_package_of_the_tree(monkeypatch):
     monkeypatch.setattr(setuptools, "setup", lambda **kwargs: given.update(kwargs))
     monkeypatch.chdir(ROOT)  # setup.py's find_packages calls are relative to the tree
     runpy.run_path(str(ROOT / "setup.py"))
-    assert set(given["packages"]) == {package_of(f) for f in python_folders()}
+    assert set(given["packages"]) == {folder.replace("/", ".") for folder in python_folders()}
     assert given["package_dir"] == {"ringcoll.kernels": "kernels"}
 
 
