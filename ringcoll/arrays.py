@@ -143,11 +143,28 @@ class Workspace:
     BoundedCache, so a job that runs many different sizes keeps only the latest few hundred.
     """
 
-    def __init__(self, segment_bytes, empty=None):
+    def __init__(self, segment_bytes, empty=None, node_chunk=None, device=False):
         self.segment_bytes = segment_bytes
+        self.node_chunk, self.device = node_chunk, device  # the node tier's slot size, memory
         self._empty = empty or _host_bytes
         self._buffers = {}
         self._plans = BoundedCache()  # partitions, segment lists and schedules, by key
+        self._resident = {}  # connection-time state (the node tier's memory), never evicted
+
+    def resident(self, key, build):
+        """An object made once and kept for the workspace's life, unlike the cached plans: the
+        node tier's shared memory, whose making is collective (close_resident frees it)."""
+        found = self._resident.get(key)
+        if found is None:
+            found = self._resident[key] = build()
+        return found
+
+    def close_resident(self):
+        """Collective: close every resident object that has a close() (the node tiers)."""
+        for obj in self._resident.values():
+            if hasattr(obj, "close"):
+                obj.close()
+        self._resident.clear()
 
     def scratch(self, name, count, dtype):
         dtype = np.dtype(dtype)

@@ -65,6 +65,9 @@ class Communicator:
             them through pinned host memory; None (default) asks the MPI library
             (MPIX_Query_cuda_support) (RINGCOLL_CUDA_AWARE=1/0).
         staging_bytes: chunk size of that staging (RINGCOLL_STAGING_BYTES; default 1 MiB).
+        node_chunk: slot size in bytes of the node tier (algorithm "node", shared memory
+            between the ranks of one node; RINGCOLL_NODE_CHUNK; default 1 MiB on the host,
+            16 MiB on a GPU).
         poll: over MPI, wait for messages by testing them with sleeps of this many seconds in
             between (e.g. 50e-6) instead of blocking inside MPI, which spins on a core; for
             collectives that run beside computation on the same cores (ringcoll.torch sets
@@ -79,11 +82,11 @@ class Communicator:
 
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
                  debug=None, timeout=None, cost_model=None, tuning=None, transport=None,
-                 cuda_aware=None, staging_bytes=None, poll=None):
+                 cuda_aware=None, staging_bytes=None, poll=None, node_chunk=None):
         options = Options.from_env(algorithm=algorithm, local_size=local_size,
                                    segment_bytes=segment_bytes, debug=debug, tuning=tuning,
                                    timeout=timeout, cuda_aware=cuda_aware,
-                                   staging_bytes=staging_bytes)
+                                   staging_bytes=staging_bytes, node_chunk=node_chunk)
         if options.algorithm not in ALLREDUCE_NAMES:
             raise InvalidArgumentError(
                 f"unknown all-reduce algorithm {options.algorithm!r} (from algorithm= or "
@@ -751,6 +754,7 @@ class Communicator:
             return
         self.wait_all()
         self._runner.shutdown()
+        self._g.sides.close()  # the node tiers' shared memory (collective)
         self._g.sides.devices.clear()  # their transports wrap the host's: nothing else to free
         self._g.closed = True
         self._messages.close()

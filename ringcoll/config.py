@@ -15,6 +15,8 @@
 |                       | 0 = stage them through pinned host memory; unset: ask the MPI      |
 |                       | library (MPIX_Query_cuda_support)                                  |
 | RINGCOLL_STAGING_BYTES| chunk size of that staging (default 1 MiB)                         |
+| RINGCOLL_NODE_CHUNK   | slot (chunk) size of the node tier, bytes (default 1 MiB on the    |
+|                       | host, 16 MiB on a GPU)                                             |
 
 Explicit constructor arguments always win over the environment.
 """
@@ -44,6 +46,7 @@ class Options:
     tuning: object = None  # a path, a ringcoll.Tuning, False/"none", or None: built-in
     cuda_aware: bool | None = None  # None: ask the MPI library (MPIX_Query_cuda_support)
     staging_bytes: int = DEFAULT_STAGING_BYTES
+    node_chunk: int | None = None  # None: algorithms/node.py's HOST_CHUNK / DEVICE_CHUNK
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -58,6 +61,7 @@ class Options:
             tuning=env.get("RINGCOLL_TUNING") or None,
             cuda_aware=_flag(env, "RINGCOLL_CUDA_AWARE"),
             staging_bytes=_int(env, "RINGCOLL_STAGING_BYTES") or DEFAULT_STAGING_BYTES,
+            node_chunk=_int(env, "RINGCOLL_NODE_CHUNK"),
         )
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)
@@ -67,6 +71,9 @@ class Options:
             raise InvalidArgumentError(f"segment_bytes must be >= 1, got {opts.segment_bytes}")
         if opts.staging_bytes < 1:
             raise InvalidArgumentError(f"staging_bytes must be >= 1, got {opts.staging_bytes}")
+        if opts.node_chunk is not None and opts.node_chunk < 64:
+            raise InvalidArgumentError(f"node_chunk (RINGCOLL_NODE_CHUNK) must be >= 64 bytes, "
+                                       f"got {opts.node_chunk}")
         return opts
 
 

@@ -52,7 +52,8 @@ class Sides:
 
     def __init__(self, transport, options, rank):
         self.options, self.rank = options, rank
-        self.host = Side(transport, Workspace(options.segment_bytes), np)  # NumPy arrays
+        self.host = Side(transport, Workspace(options.segment_bytes,
+                                              node_chunk=options.node_chunk), np)  # NumPy arrays
         self.devices = {}  # CUDA device id -> its Side
 
     def device(self, x, ctx):
@@ -73,7 +74,8 @@ class Sides:
             dev = CupyDevice(device)
             t, path, why = for_device(self.host.t, dev, o.cuda_aware, o.staging_bytes)
             side = self.devices[device] = Side(
-                t, Workspace(o.segment_bytes, empty=dev.empty), cupy, device, path, why)
+                t, Workspace(o.segment_bytes, empty=dev.empty, node_chunk=o.node_chunk,
+                             device=True), cupy, device, path, why)
             if o.debug:
                 how = ("cuda-aware: device buffers go straight to MPI" if path == "cuda-aware"
                        else "staged via pinned host buffers, chunk "
@@ -81,6 +83,11 @@ class Sides:
                 print(f"ringcoll rank {self.rank}: CuPy arrays on GPU {device} -> {how} "
                       f"({why})", file=sys.stderr, flush=True)
         return side
+
+    def close(self):
+        """Collective: free the node tiers' shared memory of every side."""
+        for side in (self.host, *self.devices.values()):
+            side.ws.close_resident()
 
     def swap(self, transport):
         """Run on `transport` from now on. The cached schedules hold views bound to the old

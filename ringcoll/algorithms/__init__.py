@@ -15,8 +15,8 @@ overlaps the reduction. `CostModel(alpha=..., beta=..., gamma=...)` overrides th
 import math
 from dataclasses import dataclass
 
-from . import (alltoall, barrier, bruck, hierarchical, native, rabenseifner, recursive_doubling,
-               ring, tree)
+from . import (alltoall, barrier, bruck, hierarchical, native, node, rabenseifner,
+               recursive_doubling, ring, tree)
 
 ALLREDUCE = {
     "ring": ring.allreduce,
@@ -24,6 +24,7 @@ ALLREDUCE = {
     "rabenseifner": rabenseifner.allreduce,
     "hierarchical": hierarchical.allreduce,
     "bruck": bruck.allreduce,
+    "node": node.allreduce,
 }
 #: the algorithms that do not look at the node structure
 FLAT = ("ring", "recursive_doubling", "rabenseifner", "bruck")
@@ -88,4 +89,4 @@ class CostModel:
 
 
 __all__ = ["ALLREDUCE", "ALLREDUCE_NAMES", "CostModel", "alltoall", "barrier", "bruck",
-           "hierarchical", "native", "rabenseifner", "recursive_doubling", "ring", "tree"]
+           "hierarchical", "native", "node", "rabenseifner", "recursive_doubling", "ring", "tree"]

@@ -17,9 +17,12 @@ as wire tag p2p_tag(u) = u * VIEW_STRIDE + Tag.P2P: no collective, in any view, 
 that is P2P modulo VIEW_STRIDE, so user messages and ringcoll's own can never match.
 """
 
+import time
 from enum import IntEnum
 from functools import partial
 from numbers import Integral
+
+import numpy as np
 
 from ..errors import InvalidArgumentError
 
@@ -48,6 +51,7 @@ class Tag(IntEnum):
     VERDICT = 19  # every rank's verdict on its received counts and out=, before data moves
     SCAN = 20  # scan and exscan's recursive-doubling exchanges
     SCATTER = 21
+    NODE = 22  # not a message: the node tier's flag waits, as Progress and errors name them
     VIEW_STRIDE = 32
 
 
@@ -189,6 +193,20 @@ class Transport:
         """A Transport over `members` (parent ranks, in group order); see View."""
         return View(self, members, tag_offset)
 
+    # the node tier's memory (see Shared): transports whose ranks can share memory define
+    # shared(nbytes, members=None), collective over `members` (this transport's ranks, in
+    # group order; None: all), returning a Shared, or raising NoSharedMemory with the reason.
+    # flags(words, members=None) is the Flags of the same group, in host memory.
+    def flags(self, words, members=None):
+        """Collective: a Flags of `words` counters per rank (see Flags), in host memory."""
+        return Flags(self.shared(_padded(words * 8), members), words, self.progress,
+                     self.stalled, members)
+
+    def stalled(self, peer, waited):
+        """Called now and then while a Flags wait has waited `waited` seconds for `peer` (a
+        rank of this transport): raise if the wait can never end. The default does nothing:
+        over MPI the watchdog ends a wait that makes no progress (as for a receive)."""
+
     def channel(self):
         """A sibling Transport for the user's point-to-point messages (see the module
         docstring). This default shares this transport's Progress record."""
@@ -262,6 +280,20 @@ class View(Transport):
     def fail(self, exc, why=None):
         self.parent.fail(exc, why)
 
+    def shared(self, nbytes, members=None):
+        if not hasattr(self.parent, "shared"):
+            raise NoSharedMemory(f"{type(self.parent).__name__} has no shared memory")
+        return self.parent.shared(nbytes, self._members(members))
+
+    def flags(self, words, members=None):
+        if not hasattr(self.parent, "shared"):
+            raise NoSharedMemory(f"{type(self.parent).__name__} has no shared memory")
+        return self.parent.flags(words, self._members(members))
+
+    def _members(self, members):
+        """A group of this view's ranks as the parent's ranks."""
+        return self.members if members is None else [self.members[m] for m in members]
+
 
 class Window:
     """One-sided memory: every rank exposes a 1-D array that any rank reads and adds into
@@ -323,3 +355,104 @@ class Window:
 
 #: dtypes a Window holds: those every MPI library can add atomically (predefined datatypes)
 WINDOW_DTYPES = ("int32", "int64", "uint32", "uint64", "float32", "float64")
+
+
+# -- the node tier's memory ---------------------------------------------------------------------
+class NoSharedMemory(RuntimeError):
+    """A transport cannot give these ranks shared memory (not on one node, no MPI-3 shared
+    windows, GPUs without peer access); the message says why. The node tier then falls back
+    to messages: it is never raised to the user."""
+
+
+class Shared:
+    """Node-tier memory: one segment per rank of a group whose ranks share a node, every
+    segment read and written directly by every rank of the group. Made collectively by
+    t.shared(nbytes, members): an MPI-3 shared window on the host, the threads' own arrays
+    on the thread transport, CUDA IPC on a GPU.
+
+    segments[q] is rank q's segment (q a rank of the group) as a 1-D uint8 array: NumPy in
+    host memory, CuPy in device memory. Nothing orders one rank's writes with another's
+    reads but the Flags posted and waited for around them, with fence() on both sides:
+
+        writer: write; fence(); flags.post(...)      reader: flags.wait(...); fence(); read
+
+    fence() completes this rank's writes (a memory barrier on the host; the current stream
+    synchronised on a GPU), so a peer that saw the flag reads them whole.
+    """
+
+    rank: int
+    size: int
+    segments: list
+
+    def fence(self):
+        raise NotImplementedError
+
+    def close(self):
+        """Collective: every rank of the group calls it once no rank can still read."""
+        raise NotImplementedError
+
+
+class Flags:
+    """`words` int64 counters per rank of a group, in shared host memory: rank r writes only
+    its own (post) and reads everyone's (value, wait). The node tier keeps them increasing
+    (sequence numbers), so a counter never has to be reset and a waiter's test is `>=`.
+
+    wait() spins, then yields the core between polls (ranks may outnumber cores), and calls
+    stalled(peer, seconds) every STALL_CHECK seconds: the transport's way to end a wait
+    that can never finish (threads: a failed or timed-out peer; MPI: the watchdog instead).
+    While it waits, progress.at names the peer (Tag.NODE), for the watchdog's message.
+    """
+
+    SPINS = 64
+    STALL_CHECK = 0.05
+
+    def __init__(self, shared, words, progress, stalled=None, ranks=None):
+        self.shared = shared
+        self.rank, self.size, self.words = shared.rank, shared.size, words
+        self.counters = [seg[:words * 8].view(np.int64) for seg in shared.segments]
+        self.counters[self.rank][:] = 0
+        self._mine = self.counters[self.rank]
+        self.progress, self._stalled = progress, stalled
+        self._at = [(q if ranks is None else ranks[q], Tag.NODE) for q in range(self.size)]
+
+    def post(self, index, value):
+        """This rank's counter `index` := value (after a fence of the data it announces)."""
+        self._mine[index] = value
+
+    def value(self, peer, index):
+        return int(self.counters[peer][index])
+
+    def wait(self, peer, index, value):
+        """Until peer's counter `index` >= value."""
+        word = self.counters[peer]
+        if word[index] >= value:
+            return
+        progress = self.progress
+        progress.step += 1
+        progress.at = self._at[peer]
+        for _ in range(self.SPINS):
+            if word[index] >= value:
+                return
+        start = last = time.monotonic()
+        while word[index] < value:
+            time.sleep(0)
+            now = time.monotonic()
+            if now - last >= self.STALL_CHECK:
+                last = now
+                if self._stalled is not None:
+                    self._stalled(self._at[peer][0], now - start)
+
+    def wait_all(self, index, value):
+        """Until every other rank's counter `index` >= value."""
+        for q in range(self.size):
+            if q != self.rank:
+                self.wait(q, index, value)
+
+    def close(self):
+        self.counters = self._mine = None
+        self.shared.close()
+
+
+def _padded(nbytes):
+    """nbytes rounded up to whole 64-byte cache lines: ranks' counters never share a line."""
+    return max(64, -(-nbytes // 64) * 64)

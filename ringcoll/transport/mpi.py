@@ -28,7 +28,7 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..errors import ABORT_CODE, CollectiveMismatchError, InvalidArgumentError
-from .base import Progress, Transport, Window, size_mismatch
+from .base import NoSharedMemory, Progress, Shared, Transport, Window, size_mismatch
 
 BYTE = MPI.BYTE
 
@@ -53,6 +53,7 @@ class MPITransport(Transport):
         self.timeout = timeout
         self._status = MPI.Status()
         self._watchdog = _Watchdog(self, timeout) if timeout and self.size > 1 else None
+        self._groups = {}  # members -> (communicator, whether it is on one node)
 
     # point-to-point -------------------------------------------------------------------------
     # Receives (and blocking sends) note their peer and tag in self.progress first, so the
@@ -214,6 +215,36 @@ class MPITransport(Transport):
     def allgather_object(self, obj):
         return self.comm.allgather(obj)
 
+    def shared(self, nbytes, members=None):
+        """Collective over members: the node tier's memory (base.Shared) as an MPI-3 shared
+        window (MPI_Win_allocate_shared); see _MPIShared. NoSharedMemory if the members are
+        not all on one node, or the MPI library has no shared windows."""
+        comm, why = self._group(members)
+        if why is not None:
+            raise NoSharedMemory(why)
+        try:
+            return _MPIShared(comm, nbytes)
+        except (NotImplementedError, MPI.Exception) as exc:
+            raise NoSharedMemory(f"MPI_Win_allocate_shared failed: {exc}") from None
+
+    def _group(self, members):
+        """(communicator over members, None or why they cannot share memory), made once per
+        group: MPI_Comm_create_group (collective over the members only) and one
+        MPI_Comm_split_type(COMM_TYPE_SHARED), which tells whether the group is one node."""
+        key = None if members is None or list(members) == list(range(self.size)) \
+            else tuple(members)
+        found = self._groups.get(key)
+        if found is None:
+            comm = self.comm if key is None else self.comm.Create_group(
+                self.comm.Get_group().Incl(list(key)))
+            node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+            local = node.Get_size()
+            node.Free()
+            why = None if local == comm.Get_size() else (
+                f"only {local} of these {comm.Get_size()} ranks share this rank's node")
+            found = self._groups[key] = (comm, why)
+        return found
+
     def window(self, initial):
         """Collective: a Window (base.py) over MPI_Win_allocate; see _MPIWindow."""
         return _MPIWindow(self.comm, initial)
@@ -239,6 +270,10 @@ class MPITransport(Transport):
     def close(self):
         if self._watchdog is not None:
             self._watchdog.stop()
+        for comm, _ in self._groups.values():
+            if comm != self.comm:
+                comm.Free()
+        self._groups.clear()
         if self.comm != MPI.COMM_NULL:
             self.comm.Free()
 
@@ -328,6 +363,39 @@ class _MPIWindow(Window):
         self.win.Unlock_all()
         self.comm.Barrier()  # no rank frees while another's last call may still target it
         self.local = None
+        self.win.Free()
+
+
+class _MPIShared(Shared):
+    """The node tier's memory as an MPI-3 shared window: MPI_Win_allocate_shared with
+    alloc_shared_noncontig (each rank's segment starts on its own page, so two ranks' hot
+    lines never share a cache line), every peer's segment mapped through
+    MPI_Win_shared_query, and one passive-target epoch for the window's life (lock_all), in
+    which MPI_Win_sync is the memory barrier fence() needs."""
+
+    def __init__(self, comm, nbytes):
+        self.comm, self.rank, self.size = comm, comm.Get_rank(), comm.Get_size()
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")
+        try:
+            self.win = MPI.Win.Allocate_shared(max(nbytes, 1), 1, info, comm=comm)
+        finally:
+            info.Free()
+        self.segments = [np.frombuffer(self.win.Shared_query(q)[0], np.uint8)[:nbytes]
+                         for q in range(self.size)]
+        self.win.Lock_all(MPI.MODE_NOCHECK)
+        self.fence = self.win.Sync  # bound once: the tier fences a few times a chunk
+        comm.Barrier()
+
+    def fence(self):  # (replaced per instance by win.Sync itself)
+        self.win.Sync()
+
+    def close(self):
+        if self.win == MPI.WIN_NULL:
+            return
+        self.win.Unlock_all()
+        self.comm.Barrier()  # no rank unmaps while another may still read its segment
+        self.segments = None
         self.win.Free()
 
 

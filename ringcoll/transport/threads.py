@@ -17,7 +17,7 @@ import numpy as np
 
 from ..arrays import array_module, is_device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
-from .base import Progress, Tag, Transport, Window, describe_tag, size_mismatch
+from .base import Progress, Shared, Tag, Transport, Window, describe_tag, size_mismatch
 
 DEFAULT_TIMEOUT = 60.0
 
@@ -43,6 +43,7 @@ class ThreadWorld:
         self.posted = [[] for _ in range(size)]  # per destination: receive requests in order
         self.splits = {}
         self.windows = {}  # seq -> {rank: (part, lock)}: the ranks' Window memory
+        self.shared = {}  # (members, seq) -> {rank: segment}: the node tier's memory
         self._failure = None
 
     def failure(self):
@@ -71,6 +72,7 @@ class ThreadTransport(Transport):
         self.progress = Progress()
         self._nsplits = 0
         self._nwindows = 0
+        self._nshared = {}  # members -> Shared regions made with them so far
 
     @property
     def timeout(self):
@@ -159,16 +161,19 @@ class ThreadTransport(Transport):
             "collective or called a different one. Raise RINGCOLL_TIMEOUT if the job is just slow."
         )
 
-    def _meet(self, tables, seq, value, call):
+    def _meet(self, tables, seq, value, call, members=None):
         """Every rank's value in tables[seq] ({rank: value}) once all have put theirs; world.cond
-        must be held. Raises naming the missing ranks if some never come (timeout or failure)."""
+        must be held. Raises naming the missing ranks if some never come (timeout or failure).
+        members: the ranks that meet (default all of the world)."""
         world = self.world
+        members = range(world.size) if members is None else members
         table = tables.setdefault(seq, {})
         table[self.rank] = value
         world.cond.notify_all()
-        world.cond.wait_for(lambda: len(table) == world.size or world.failure(), world.timeout)
-        if len(table) < world.size:
-            missing = sorted(set(range(world.size)) - set(table))
+        world.cond.wait_for(lambda: len(table) == len(members) or world.failure(),
+                            world.timeout)
+        if len(table) < len(members):
+            missing = sorted(set(members) - set(table))
             failure = world.failure()
             cls = PeerFailedError if failure else CollectiveTimeoutError
             raise cls(f"ringcoll rank {self.rank}, {call}: rank(s) {missing} did not call "
@@ -199,6 +204,32 @@ class ThreadTransport(Transport):
         with world.cond:
             table = self._meet(world.windows, seq, (part, threading.Lock()), "window")
         return ThreadWindow(self.rank, [table[r] for r in range(world.size)])
+
+    def shared(self, nbytes, members=None):
+        """Collective over members: the node tier's memory (base.Shared). The threads share
+        one address space, so every segment is a plain array every rank holds."""
+        members = tuple(range(self.size) if members is None else members)
+        seq = self._nshared.get(members, 0)
+        self._nshared[members] = seq + 1
+        segment = np.zeros(nbytes, dtype=np.uint8)
+        with self.world.cond:
+            table = self._meet(self.world.shared, (members, seq), segment, "shared", members)
+        return ThreadShared(members.index(self.rank), [table[r] for r in members])
+
+    def stalled(self, peer, waited):
+        """A node-tier wait for `peer` ends as a receive would: the world failed, or timeout."""
+        failure = self.world.failure()
+        if failure is not None:
+            rank, exc = failure
+            raise PeerFailedError(
+                f"ringcoll rank {self.rank}, {self.progress.call()}: gave up waiting for rank "
+                f"{peer} (node tier) because rank {rank} failed: {type(exc).__name__}: {exc}")
+        if waited > self.world.timeout:
+            raise CollectiveTimeoutError(
+                f"ringcoll rank {self.rank}, {self.progress.call()}: rank {peer} did not reach "
+                f"this collective's next step (node tier) within {self.world.timeout} s; a rank "
+                "skipped a collective or called a different one. Raise RINGCOLL_TIMEOUT if the "
+                "job is just slow.")
 
     def node_ids(self):
         return [0] * self.size
@@ -254,6 +285,20 @@ class ThreadWindow(Window):
 
     def close(self):
         self.local = None
+
+
+class ThreadShared(Shared):
+    """The node tier's memory over threads: one process, so nothing to map and, the GIL
+    ordering every write before the flag that follows it, nothing to fence."""
+
+    def __init__(self, rank, segments):
+        self.rank, self.size, self.segments = rank, len(segments), segments
+
+    def fence(self):
+        pass
+
+    def close(self):
+        self.segments = None
 
 
 def _deliver(req, data, src, dst, tag):
