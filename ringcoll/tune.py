@@ -5,7 +5,8 @@ table `auto` then uses: RINGCOLL_TUNING=tuning.json, or Communicator(tuning="tun
 
 At every size of -b/-e/-f (float32 sum) it
   1. times ring, recursive_doubling and rabenseifner (and hierarchical where the ranks span
-     more than one node and fewer than p nodes: the algorithms auto can choose) through
+     more than one node and fewer than p nodes, node where they share one node: the
+     algorithms auto can choose) through
      Communicator.allreduce(x, algorithm=name, out=...), out of place (out=y) and in place
      (out=x, x zeros so that repeated sums stay put). Each round times a batch of calls of
      every (algorithm, mode) in a shuffled order, the same on every rank, so the machine's
@@ -58,7 +59,7 @@ SLACK = 0.05  # a table's pick may be this much slower than the fastest, for few
 MAX_ITERS = 500  # calls per batch at most (small sizes: enough to average out the timer)
 QUICK = {"minbytes": 8, "maxbytes": 1 << 20, "stepfactor": 16, "rounds": 3, "budget": 0.1}
 SHORT = {"recursive_doubling": "rec_doubling", "rabenseifner": "rabenseifner", "ring": "ring",
-         "hierarchical": "hierarchical", "bruck": "bruck"}
+         "hierarchical": "hierarchical", "bruck": "bruck", "node": "node"}
 #: algorithms timed only up to a size (bytes per rank): beyond it they cannot win and their
 #: scratch grows with p x n; a size not timed counts as infinitely slow
 SIZE_LIMITS = {"bruck": bruck.MAX_BYTES}
@@ -142,6 +143,8 @@ def candidates(comm):
     names = list(FLAT)
     if 1 < len(comm.nodes) < comm.size:
         names.append("hierarchical")
+    if len(comm.nodes) == 1 and comm.size > 1:
+        names.append("node")  # the node tier (shared memory): every rank on one node
     return names
 
 

@@ -26,7 +26,8 @@ ALLREDUCE = {
     "bruck": bruck.allreduce,
     "node": node.allreduce,
 }
-#: the algorithms that do not look at the node structure
+#: the algorithms that do not look at the node structure (node, the node tier, runs only where
+#: every rank shares one node: CostModel.choose_allreduce's `tier`)
 FLAT = ("ring", "recursive_doubling", "rabenseifner", "bruck")
 #: every name `algorithm=` accepts for allreduce
 ALLREDUCE_NAMES = ("auto", *ALLREDUCE, "native")
@@ -39,6 +40,7 @@ class CostModel:
     gamma: float = 0.05e-9  # s per byte reduced by a NumPy ufunc
     inter_alpha: float | None = None  # between nodes; None = same as inside a node
     inter_beta: float | None = None
+    node_alpha: float = 3e-6  # one handoff of the node tier (a counter posted and seen + Python)
 
     def allreduce(self, name, nbytes, p, nodes=None):
         """Predicted seconds of all-reduce `name` on nbytes at p ranks.
@@ -66,6 +68,10 @@ class CostModel:
             return math.ceil(math.log2(p)) * a + (p - 1) * n * (b + g)
         if name == "rabenseifner":
             return 2 * steps * a + 2 * (core - 1) / core * n * b + (core - 1) / core * n * g + fold
+        if name == "node":  # 3 handoffs a chunk; every byte copied once by the rank needing it
+            chunks = max(1, math.ceil(nbytes / node.HOST_CHUNK))
+            return (3 * chunks * self.node_alpha + (2 * (p - 1) / p + 1 / p) * n * self.beta
+                    + (p - 1) / p * n * g)
         if name == "hierarchical":
             k, a, b = max(len(m) for m in nodes), self.alpha, self.beta
             local = 2 * (k - 1) * a + 2 * (k - 1) / k * n * b + (k - 1) / k * n * g
@@ -80,11 +86,14 @@ class CostModel:
         return min(((name, self.allreduce(name, shard, len(nodes), spread)) for name in FLAT),
                    key=lambda pair: pair[1])
 
-    def choose_allreduce(self, nbytes, p, nodes):
-        """The algorithm with the smallest predicted time; hierarchical only across nodes."""
+    def choose_allreduce(self, nbytes, p, nodes, tier=False):
+        """The algorithm with the smallest predicted time; hierarchical only across nodes,
+        node only where `tier` (every rank on one node, a transport with shared memory)."""
         names = list(FLAT)
         if 1 < len(nodes) < p:
             names.append("hierarchical")
+        if tier and len(nodes) == 1 and p > 1:
+            names.append("node")
         return min(names, key=lambda name: self.allreduce(name, nbytes, p, nodes))
 
 

@@ -207,10 +207,15 @@ def layout(dtype, trail):
     return zlib.crc32(f"{dtype.str} {dtype_key(dtype)} {tuple(trail)}".encode())
 
 
-def pick_simple(algorithm, names, ctx):
+def pick_simple(algorithm, names, ctx, g=None, side=None):
     """The algorithm of a collective whose choice is the caller's alone: names is its
-    ALGORITHMS, the first being what 'auto' (or None) runs."""
+    ALGORITHMS, the first being what 'auto' (or None) runs, except that device buffers
+    (side.device set) run 'node', the node tier, where names has it and every rank shares
+    one node (g.nodes): device to device, not through the host's MPI."""
     if algorithm in (None, "auto"):
+        if side is not None and side.device is not None and "node" in names \
+                and len(g.nodes) == 1 and g.size > 1 and hasattr(side.t, "shared"):
+            return "node"
         return names[0]
     if algorithm in names:
         return algorithm

@@ -3,8 +3,9 @@
 Ranks may pass different lengths on axis 0: the row counts (and a check that dtypes,
 trailing shapes, out= and any counts= agree) travel first in a small all-gather of 6 numbers
 per rank (rows), then the data. The ringcoll algorithm is the ring's all-gather half
-(algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "native"
-is MPI_Allgatherv.
+(algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "node" the
+node tier's (algorithms/node.py: each rank copies the blocks it lacks from the others' shared
+memory; the default for CuPy arrays on one node); "native" is MPI_Allgatherv.
 """
 
 import zlib
@@ -12,20 +13,20 @@ import zlib
 import numpy as np
 
 from .. import checks
-from ..algorithms import native, ring
+from ..algorithms import native, node, ring
 from ..arrays import Partition
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
 from ..runner import Plan
 from . import _args
 
 NAME = "allgather"
-ALGORITHMS = ("ring", "native")
+ALGORITHMS = ("ring", "node", "native")
 
 
 def plan(g, ctx, x, out, algorithm, counts=None):
     x, side = _args.rows_input(g, x, ctx, movable=True)
     counts = expected_counts(g, counts, ctx)
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
     if name == "native":
         native.check(side.t, None, ctx)
     if out is not None:  # all but its row count can be checked now; that comes later
@@ -43,7 +44,7 @@ def plan(g, ctx, x, out, algorithm, counts=None):
             side.t.native_allgather(src, dst, part.counts)
         else:
             dst[part.slices[g.rank]] = src
-            ring.allgather(side.t, dst, part, side.ws)
+            (node if name == "node" else ring).allgather(side.t, dst, part, side.ws)
         _args.copy_rows(dst, copy_to)
         return result
 

@@ -4,24 +4,26 @@ Blocks are counts[r] rows for rank r when counts is given (MPI_Reduce_scatter's 
 the same list on every rank), else they follow np.array_split(x, size) (the first
 x.shape[0] % size get one more row). The
 ringcoll algorithm is the ring's reduce-scatter half (algorithms/ring.py: (p-1) steps of one
-block each, (p-1)a + (p-1)/p n b + (p-1)/p n g); "native" is MPI_Reduce_scatter.
+block each, (p-1)a + (p-1)/p n b + (p-1)/p n g); "node" is the node tier's (algorithms/node.py:
+each rank reduces its block straight from every rank's shared memory; the default for CuPy
+arrays on one node); "native" is MPI_Reduce_scatter.
 """
 
 from .. import checks
-from ..algorithms import native, ring
+from ..algorithms import native, node, ring
 from ..arrays import Partition
 from ..runner import Plan
 from . import _args
 
 NAME = "reduce_scatter"
-ALGORITHMS = ("ring", "native")
+ALGORITHMS = ("ring", "node", "native")
 
 
 def plan(g, ctx, x, op, out, algorithm, counts=None):
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     x = _args.as_rows(x)
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
     row = _args.row_elems(x)
     if counts is None:
         part = ws.row_partition(x.shape[0], size, row)
@@ -40,11 +42,16 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
     blocks = (None if counts is None or counts == Partition.even(x.shape[0], size).counts
               else counts)
     # avg: the division in the last ring step
-    fused = op.name == "avg" and name != "native" and op.fuses_finish(x.dtype, size)
+    fused = op.name == "avg" and name == "ring" and op.fuses_finish(x.dtype, size)
 
     def run():
         if name == "native":
             t.native_reduce_scatter(src, dst, part.counts, op.mpi_name)
+        elif name == "node":  # (its header check stands in for the neighbour check)
+            prescales = op.prescales(src.dtype, size)
+            work = ws.scratch("rs.work", src.size if prescales else 0, src.dtype)
+            mine = op.start(src, work, size, combine)  # work itself if avg prescales
+            node.reduce_scatter(t, mine, dst, part, combine, ws)
         else:
             checks.neighbour_check(t, "reduce_scatter", src.size, src.dtype, op.name, blocks)
             # The last step reduces straight into dst; work carries the partial sums of
