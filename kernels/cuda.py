@@ -6,6 +6,12 @@ the CPU kernels get). 'avg' adds two kernels: combine_scale, out = (a + b) / p i
 (the ring's last reduce-scatter step, ReduceOp.fuses_finish), and scale, out = src / p (the
 prescale of float16/bfloat16, and the division after algorithms other than the ring).
 
+The 'many' kernel, combine.many(inputs, out), sets out = ((x0 op x1) op x2) op ... over up to
+MANY inputs in one launch: the node tier (ringcoll.algorithms.node) reduces a block from the p
+ranks' buffers in one pass over memory instead of p - 1 combine launches that each re-read and
+re-write out. Its numerics are the chain's, bit for bit: every intermediate is rounded to the
+stored type (float16/bfloat16 included) exactly as separate combine launches would store it.
+
 Why RawKernels and not CuPy's ElementwiseKernel or ufuncs: an ElementwiseKernel copies any
 input that overlaps the output unless it is the very same Python object (cupy's
 _copy_in_args_if_needed), and an algorithm's `combine(x[k], y[k], x[k])` makes two distinct
@@ -41,6 +47,7 @@ import numpy as np
 
 THREADS = 256  # threads per block
 MAX_BLOCKS = 8192  # the grid-stride loop covers the rest
+MANY = 8  # input pointers of the 'many' kernel; more inputs chain launches through out
 
 # C type of the stored element, the type computations run in, the type of the divisor of avg,
 # and the kind: "i" signed, "u" unsigned, "f" real float, "h" half-width float, "c" complex.
@@ -150,7 +157,7 @@ def _op_expr(op, key):
 
 def kernel_names(op, key):
     """{flavour: kernel name} of the kernels source(...) defines for (op, dtype key)."""
-    names = {"combine": f"rc_combine_{op}_{key}"}
+    names = {"combine": f"rc_combine_{op}_{key}", "many": f"rc_many_{op}_{key}"}
     kind = _TYPES[key][3]
     if op == "sum" and kind in "fhc":  # avg: only float and complex types
         names["scale"] = f"rc_scale_{key}"
@@ -162,8 +169,9 @@ def kernel_names(op, key):
 def source(pairs):
     """CUDA C++ defining the kernels of every (op, dtype key) in pairs, each helper once.
 
-    Every kernel has the same signature, (const T* a, const T* b, T* out,
-    unsigned long long n, D d): combine ignores d, scale ignores b.
+    Every kernel but 'many' has the same signature, (const T* a, const T* b, T* out,
+    unsigned long long n, D d): combine ignores d, scale ignores b. 'many' is
+    (const T* a0, ..., const T* a7, unsigned int k, T* out, unsigned long long n), see _many.
     """
     parts, seen = [PREAMBLE], set()
     for op, key in pairs:
@@ -187,6 +195,9 @@ def source(pairs):
         parts.append(f"__device__ __forceinline__ {acc} rc_{op}_{key}({acc} a, {acc} b) "
                      f"{{ return {_op_expr(op, key)}; }}\n")
         for flavour, name in kernel_names(op, key).items():
+            if flavour == "many":
+                parts.append(_many(op, key, name))
+                continue
             a, b = _load(key, "a[i]"), _load(key, "b[i]")
             expr = {"combine": f"rc_{op}_{key}({a}, {b})",
                     "combine_scale": f"rc_div_{key}(rc_{op}_{key}({a}, {b}), d)",
@@ -200,6 +211,33 @@ def source(pairs):
                 f"    for (; i < n; i += stride) out[i] = {_store(key, expr)};\n"
                 "}\n")
     return "\n".join(parts)
+
+
+def _many(op, key, name):
+    """The 'many' kernel: out = ((a0 op a1) op a2) op ... op a(k-1), 2 <= k <= MANY.
+
+    v goes through the stored type after every step (rc_f2h then rc_h2f for float16; nothing
+    for types computed as stored) so the result is the chain of k - 1 combine launches bit for
+    bit. Unrolled tests of k rather than a pointer array: an array indexed at run time would
+    live in local memory on the GPU. out may be a0 (each thread reads a0[i] before writing
+    out[i]), never a later input.
+    """
+    ctype = _TYPES[key][0]
+    pointers = ", ".join(f"const {ctype}* a{j}" for j in range(MANY))
+    steps = "".join(f"        if (k > {j}) v = rc_{op}_{key}({_load(key, _store(key, 'v'))}, "
+                    f"{_load(key, f'a{j}[i]')});\n" for j in range(2, MANY))
+    return (f'extern "C" __global__ void {name}({pointers}, unsigned int k, {ctype}* out, '
+            "unsigned long long n) {\n"
+            "    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x "
+            "+ threadIdx.x;\n"
+            "    unsigned long long stride = (unsigned long long)blockDim.x * gridDim.x;\n"
+            "    for (; i < n; i += stride) {\n"
+            f"        {_TYPES[key][1]} v = rc_{op}_{key}({_load(key, 'a0[i]')}, "
+            f"{_load(key, 'a1[i]')});\n"
+            f"{steps}"
+            f"        out[i] = {_store(key, 'v')};\n"
+            "    }\n"
+            "}\n")
 
 
 def _grid(n):
@@ -216,6 +254,8 @@ class CudaReduction:
     combine(a, b, out): out = a (op) b, one launch on the current CuPy stream; out may be a or b.
     combine.bind(a, b, out): the same launch with its arguments bound (replayed schedules).
     combine.final(p): combine then divide by p, fused into one launch (op 'sum' only: 'avg').
+    combine.many(inputs, out): out = inputs[0] (op) inputs[1] (op) ..., one launch per MANY
+    inputs (the node tier's p-input reduction), bitwise the chain of combines.
     combine.scale_into(src, p, out): out = src / p (the acc argument of the CPU kernel is
     implied: half types always compute in float32 here).
     The module compiles on first use, per device.
@@ -267,6 +307,29 @@ class CudaReduction:
 
     def scale_into(self, src, divisor, out, acc=None):
         self._launch("scale", src, src, out, divisor)
+
+    def many(self, inputs, out):
+        """out = ((inputs[0] op inputs[1]) op inputs[2]) op ..., in ceil((len - 1) / 7) launches.
+
+        Args:
+            inputs (list of cupy.ndarray): two or more arrays of out's size and dtype.
+            out (cupy.ndarray): may be the very memory of inputs[0], never of a later input.
+
+        The first launch reduces up to MANY inputs into out; each further one takes out as its
+        a0 and up to MANY - 1 more, so the order of the chain (and its rounding) is kept.
+        """
+        if len(inputs) < 2:
+            raise ValueError(f"combine.many needs two or more inputs, got {len(inputs)}")
+        n = out.size
+        if not n:
+            return
+        fn, grid, count = self._function("many"), _grid(n), np.uint64(n)
+        first, rest = inputs[:MANY], inputs[MANY:]
+        batches = [first] + [[out, *rest[s:s + MANY - 1]] for s in range(0, len(rest), MANY - 1)]
+        for batch in batches:
+            # unused slots: any valid pointer; the kernel reads only the first k
+            slots = tuple(batch) + (batch[-1],) * (MANY - len(batch))
+            fn(grid, (THREADS,), slots + (np.uint32(len(batch)), out, count))
 
 
 @lru_cache(maxsize=None)

@@ -143,9 +143,10 @@ class Workspace:
     BoundedCache, so a job that runs many different sizes keeps only the latest few hundred.
     """
 
-    def __init__(self, segment_bytes, empty=None, node_chunk=None, device=False):
+    def __init__(self, segment_bytes, empty=None, node_chunk=None, device=False, node_tier=True):
         self.segment_bytes = segment_bytes
-        self.node_chunk, self.device = node_chunk, device  # the node tier's slot size, memory
+        # the node tier: its slot size, whether it may run at all, and its memory's kind
+        self.node_chunk, self.node_tier, self.device = node_chunk, node_tier, device
         self._empty = empty or _host_bytes
         self._buffers = {}
         self._plans = BoundedCache()  # partitions, segment lists and schedules, by key
@@ -158,6 +159,10 @@ class Workspace:
         if found is None:
             found = self._resident[key] = build()
         return found
+
+    def resident_get(self, key):
+        """The resident object under key, or None if none was made."""
+        return self._resident.get(key)
 
     def close_resident(self):
         """Collective: close every resident object that has a close() (the node tiers)."""

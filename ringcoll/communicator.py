@@ -14,7 +14,9 @@ from contextlib import contextmanager
 import numpy as np
 
 from . import collectives
+from .checks import agreed
 from .algorithms import ALLREDUCE_NAMES, CostModel
+from .algorithms import node as _node
 from .config import MPI_TIMEOUT, Options
 from .errors import InvalidArgumentError, InvalidTypeError, where
 from .arrays import is_device
@@ -68,6 +70,8 @@ class Communicator:
         node_chunk: slot size in bytes of the node tier (algorithm "node", shared memory
             between the ranks of one node; RINGCOLL_NODE_CHUNK; default 1 MiB on the host,
             16 MiB on a GPU).
+        node_tier: False runs every collective by messages, never through the node tier's
+            shared memory (RINGCOLL_NODE_TIER=0); algorithm "node" then runs the ring.
         poll: over MPI, wait for messages by testing them with sleeps of this many seconds in
             between (e.g. 50e-6) instead of blocking inside MPI, which spins on a core; for
             collectives that run beside computation on the same cores (ringcoll.torch sets
@@ -82,11 +86,13 @@ class Communicator:
 
     def __init__(self, comm=None, *, local_size=None, algorithm=None, segment_bytes=None,
                  debug=None, timeout=None, cost_model=None, tuning=None, transport=None,
-                 cuda_aware=None, staging_bytes=None, poll=None, node_chunk=None):
+                 cuda_aware=None, staging_bytes=None, poll=None, node_chunk=None,
+                 node_tier=None):
         options = Options.from_env(algorithm=algorithm, local_size=local_size,
                                    segment_bytes=segment_bytes, debug=debug, tuning=tuning,
                                    timeout=timeout, cuda_aware=cuda_aware,
-                                   staging_bytes=staging_bytes, node_chunk=node_chunk)
+                                   staging_bytes=staging_bytes, node_chunk=node_chunk,
+                                   node_tier=node_tier)
         if options.algorithm not in ALLREDUCE_NAMES:
             raise InvalidArgumentError(
                 f"unknown all-reduce algorithm {options.algorithm!r} (from algorithm= or "
@@ -245,6 +251,84 @@ class Communicator:
                                    f"got {type(x).__name__}")
         side = self._g.sides.device(x, where(self.rank, "device_path"))
         return side.path, side.why_path
+
+    # -- the node tier's registered buffers ---------------------------------------------------
+    def shared_array(self, shape, dtype=np.float32, xp=np):
+        """Collective: a new zeroed array in the node tier's shared memory (a registered
+        buffer), which collectives on it read and write where it lies.
+
+        An in-place all-reduce of such an array (algorithm "node", or auto where it picks
+        the tier) skips the copy into the tier's slots: every rank reads the others' blocks
+        straight from their arrays. Ranks may register different shapes; registrations must
+        come in the same order on every rank. Where the tier cannot run (one rank, ranks on
+        several nodes, an MPI library without shared windows, GPUs without peer access), and
+        beyond 64 live registrations (release() frees one), this returns an ordinary array;
+        is_shared() tells which it is.
+
+        Args:
+            shape (int or tuple): the array's shape.
+            dtype: its dtype (default float32).
+            xp: numpy (host memory: an MPI-3 shared window) or cupy (device memory of the
+                current GPU, opened by every peer through CUDA IPC).
+
+        Returns:
+            an xp.ndarray. Do not use it after release(x) or close(): its memory is gone.
+
+        Example::
+
+            g = comm.shared_array(1 << 20)   # e.g. a gradient bucket
+            g[...] = local_gradient
+            comm.allreduce(g, out=g)         # no copy in; every rank gets the sum
+        """
+        ctx = where(self.rank, "shared_array")
+        self._g.check_open("shared_array")
+        shape = (int(shape),) if np.ndim(shape) == 0 else tuple(int(n) for n in shape)
+        dtype = np.dtype(dtype)
+        if min(shape, default=1) < 0:
+            raise InvalidArgumentError(f"{ctx}shape {shape} has a negative length")
+        count = int(np.prod(shape, dtype=np.int64))
+        side = self._side_of(xp, ctx)
+        self.wait_all()  # making the memory is collective: after the queued collectives
+        tier = _node.tier_of(side.t, side.ws) if self.size > 1 else None
+        segment = tier.register(max(count * dtype.itemsize, 1)) if tier is not None else None
+        if segment is None:
+            return xp.zeros(shape, dtype)
+        array = segment[:count * dtype.itemsize].view(dtype).reshape(shape)
+        array[...] = 0
+        return array
+
+    def is_shared(self, x):
+        """True if x lies in one of this communicator's registered buffers (shared_array)."""
+        side = self._g.sides.device(x, where(self.rank, "is_shared")) if is_device(x) \
+            else self._g.host
+        tier = _node.existing(side.t, side.ws)
+        return tier is not None and tier.locate(x)[0] != 0
+
+    def release(self, x):
+        """Collective: free the registered buffer x lies in (from shared_array), on every
+        rank at the same point, each passing its own array of the same registration. An
+        ordinary array on every rank: nothing happens. x must not be used afterwards."""
+        ctx = where(self.rank, "release")
+        self._g.check_open("release")
+        side = self._g.sides.device(x, ctx) if is_device(x) else self._g.host
+        self.wait_all()  # freeing is collective: after the queued collectives
+        tier = _node.existing(side.t, side.ws)
+        mine = tier.locate(x)[0] - 1 if tier is not None else -1
+        every = self.allgather(np.array([mine], dtype=np.int64), algorithm="ring")
+        if (every != mine).any():
+            raise agreed(InvalidArgumentError(
+                f"{ctx}the ranks pass arrays of different registrations (index per rank, -1 = "
+                f"not registered: {every.tolist()}); release the same shared_array on every "
+                "rank"))
+        if mine >= 0:
+            tier.release(mine)
+
+    def _side_of(self, xp, ctx):
+        if xp is np:
+            return self._g.host
+        if getattr(xp, "__name__", "") != "cupy":
+            raise InvalidTypeError(f"{ctx}xp must be numpy or cupy, got {xp!r}")
+        return self._g.sides.device(xp.empty(0), ctx)
 
     # -- the other collectives -----------------------------------------------------------------
     def reduce_scatter(self, x, op="sum", out=None, algorithm=None, counts=None):

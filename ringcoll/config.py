@@ -17,6 +17,7 @@
 | RINGCOLL_STAGING_BYTES| chunk size of that staging (default 1 MiB)                         |
 | RINGCOLL_NODE_CHUNK   | slot (chunk) size of the node tier, bytes (default 1 MiB on the    |
 |                       | host, 16 MiB on a GPU)                                             |
+| RINGCOLL_NODE_TIER    | 0 = never use the node tier (shared memory): messages only         |
 
 Explicit constructor arguments always win over the environment.
 """
@@ -47,6 +48,7 @@ class Options:
     cuda_aware: bool | None = None  # None: ask the MPI library (MPIX_Query_cuda_support)
     staging_bytes: int = DEFAULT_STAGING_BYTES
     node_chunk: int | None = None  # None: algorithms/node.py's HOST_CHUNK / DEVICE_CHUNK
+    node_tier: bool = True  # False: no shared memory, every collective by messages
 
     @classmethod
     def from_env(cls, environ=None, **overrides):
@@ -62,6 +64,7 @@ class Options:
             cuda_aware=_flag(env, "RINGCOLL_CUDA_AWARE"),
             staging_bytes=_int(env, "RINGCOLL_STAGING_BYTES") or DEFAULT_STAGING_BYTES,
             node_chunk=_int(env, "RINGCOLL_NODE_CHUNK"),
+            node_tier=_flag(env, "RINGCOLL_NODE_TIER") is not False,
         )
         given = {k: v for k, v in overrides.items() if v is not None}
         opts = replace(opts, **given)

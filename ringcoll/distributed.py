@@ -74,9 +74,9 @@ class _Bucket:
 
     __slots__ = ("index", "buf", "names", "waiting", "handle", "state")
 
-    def __init__(self, index, dtype, members):
+    def __init__(self, index, dtype, members, allocate):
         self.index = index
-        self.buf = np.zeros(sum(size for _, size, _ in members), dtype)
+        self.buf = allocate(sum(size for _, size, _ in members), dtype)  # zeroed
         self.names = [name for name, _, _ in members]
         self.waiting = set()  # names whose gradient this pass has not handed over yet
         self.handle = None  # the compressor's handle while the all-reduce runs
@@ -145,14 +145,18 @@ class DistributedOptimizer:
         if op == "sum" and compression is not None:
             raise InvalidArgumentError(f"{ctx}compression applies to op='avg' (it divides by "
                                        "the process count before casting); drop one of them")
-        # k+1 slots of buckets (one without staleness): (buckets, name -> bucket, grads views)
-        slots = [_make_slot(params, bucket_bytes) for _ in range(staleness + 1)]
+        # before any bucket: making them is collective, once per bucket on every rank alike
+        _check_same_layout(comm, params, ctx)
+        # k+1 slots of buckets (one without staleness): (buckets, name -> bucket, grads views);
+        # the buffers are the node tier's registered memory (comm.shared_array) where it runs,
+        # so each bucket's in-place all-reduce reads the peers' gradients where they lie
+        slots = [_make_slot(params, bucket_bytes, comm.shared_array)
+                 for _ in range(staleness + 1)]
         self.buckets, self._bucket_of, views = slots[0]
         self.grads = dict(views)
         self._free = deque(slots[1:])  # slots neither being filled nor in flight
         self._in_flight = deque()  # started (or completed) slots, oldest first
         self._filling = slots[0]
-        _check_same_layout(comm, params, ctx)
         self.bytes_sent = 0
         self.comm_seconds = 0.0
         self.wait_seconds = 0.0
@@ -478,10 +482,10 @@ def _request_in(handle):
     return next((h for h in items if hasattr(h, "seconds") and hasattr(h, "wait")), None)
 
 
-def _make_slot(params, bucket_bytes):
+def _make_slot(params, bucket_bytes, allocate):
     """One set of buckets: (buckets, name -> bucket, name -> gradient view in registration
     order)."""
-    buckets = _make_buckets(params, bucket_bytes)
+    buckets = _make_buckets(params, bucket_bytes, allocate)
     views = {}
     for b in buckets:
         offset = 0
@@ -493,7 +497,7 @@ def _make_slot(params, bucket_bytes):
             {name: views[name] for name in params})
 
 
-def _make_buckets(params, bucket_bytes):
+def _make_buckets(params, bucket_bytes, allocate):
     """Buckets in reverse registration order, one dtype each, at most bucket_bytes each.
 
     The order is kept strictly (a bucket closes when the next parameter does not fit or has
@@ -504,12 +508,12 @@ def _make_buckets(params, bucket_bytes):
     for name in reversed(list(params)):
         p = params[name]
         if members and (p.dtype != dtype or used + p.nbytes > bucket_bytes):
-            buckets.append(_Bucket(len(buckets), dtype, members))
+            buckets.append(_Bucket(len(buckets), dtype, members, allocate))
             members, used = [], 0
         members.append((name, p.size, p.shape))
         dtype, used = p.dtype, used + p.nbytes
     if members:
-        buckets.append(_Bucket(len(buckets), dtype, members))
+        buckets.append(_Bucket(len(buckets), dtype, members, allocate))
     return buckets
 
 

@@ -261,7 +261,8 @@ def run(ex, labels, snapshots):
         ex.p, fn, timeout=60, payloads=True, watch=watch if snapshots else None,
         local_size=len(ex.nodes[0]) if ex.algorithm == "hierarchical" else None, debug=False,
         segment_bytes=max(64, ex.n * DTYPE.itemsize),  # one message per block: no segments
-        tuning=False, cost_model=CostModel())
+        tuning=False, cost_model=CostModel(),
+        node_tier=False)  # messages only: the schedules explained here are message schedules
     return Run(results, trace, arrays, finals)
 
 
@@ -500,7 +501,9 @@ FORMULA_TEXT = {
                     "holding block me, each way (= 2(p'-1)/p' n when p' divides n); with a "
                     "fold, the even ranks below 2(p-p') n each way, their odd partners n more",
     "bruck": "(p-1) n each way",
-    "hierarchical": "the 48-byte header check, plus a ring over the node's shards (as for ring: "
+    "hierarchical": "the 48-byte header check, plus a ring over the node's shards (where the "
+                    "node's ranks share memory, ringcoll runs this stage through the node tier "
+                    "instead, which sends no message: explain shows the ring; as for ring: "
                     "2S - s[i] - s[i+1] sent, 2S - s[i-1] - s[i] received, s = shard sizes, "
                     "S = n), plus the cross-node algorithm's closed form on each block this "
                     "rank owns",

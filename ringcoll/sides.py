@@ -52,8 +52,8 @@ class Sides:
 
     def __init__(self, transport, options, rank):
         self.options, self.rank = options, rank
-        self.host = Side(transport, Workspace(options.segment_bytes,
-                                              node_chunk=options.node_chunk), np)  # NumPy arrays
+        self.host = Side(transport, Workspace(options.segment_bytes, node_chunk=options.node_chunk,
+                                              node_tier=options.node_tier), np)  # NumPy arrays
         self.devices = {}  # CUDA device id -> its Side
 
     def device(self, x, ctx):
@@ -75,7 +75,7 @@ class Sides:
             t, path, why = for_device(self.host.t, dev, o.cuda_aware, o.staging_bytes)
             side = self.devices[device] = Side(
                 t, Workspace(o.segment_bytes, empty=dev.empty, node_chunk=o.node_chunk,
-                             device=True), cupy, device, path, why)
+                             node_tier=o.node_tier, device=True), cupy, device, path, why)
             if o.debug:
                 how = ("cuda-aware: device buffers go straight to MPI" if path == "cuda-aware"
                        else "staged via pinned host buffers, chunk "

@@ -808,7 +808,8 @@ def test_algorithm_from_environment_and_argument_wins(monkeypatch, capsys):
 
 def test_registry_names():
     assert set(ringcoll.ALLREDUCE_NAMES) == {"auto", "ring", "recursive_doubling",
-                                             "rabenseifner", "bruck", "hierarchical", "native"}
+                                             "rabenseifner", "bruck", "hierarchical", "node",
+                                             "native"}
     assert set(ALLREDUCE) == set(ringcoll.ALLREDUCE_NAMES) - {"auto", "native"}
 
 

@@ -156,8 +156,9 @@ FLAT = {"ring": ring, "recursive_doubling": recursive_doubling, "rabenseifner": 
 def hierarchical(p, n, r, w, S, k, inner):
     """Nodes of k consecutive ranks (the last smaller), L = the largest node, blocks
     even(n, L); local rank i of a node of kn owns blocks [i L / kn, (i+1) L / kn): its shard.
-    Ring reduce-scatter and all-gather of the shards in the node, and for each owned block b,
-    `inner` all-reduce of block b among the N ranks owning b (group rank = node index)."""
+    The reduce-scatter and all-gather of the shards in the node go through the node tier's
+    shared memory (no message: threads share one), and for each owned block b, `inner`
+    all-reduce of block b among the N ranks owning b (group rank = node index)."""
     nodes = [list(range(s, min(s + k, p))) for s in range(0, p, k)]
     big = max(len(m) for m in nodes)
     part = even(n, big)
@@ -165,8 +166,7 @@ def hierarchical(p, n, r, w, S, k, inner):
     node = nodes[j]
     kn, i = len(node), node.index(r)
     owned = [(a * big // kn, (a + 1) * big // kn) for a in range(kn)]
-    shards = [sum(part[first:last]) for first, last in owned]
-    cost = ring_reduce_scatter(shards, i, w, S) + ring_allgather(shards, i, w, S)
+    cost = Cost()
     for b in range(*owned[i]):
         cost = cost + FLAT[inner](len(nodes), part[b], j, w, S)
     return cost

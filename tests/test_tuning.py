@@ -156,6 +156,8 @@ def test_without_a_table_for_p_the_cost_model_decides(capsys):
     assert debug_choices(capsys) == ["recursive_doubling"]
     mine = CostModel(alpha=0.0, beta=1.0, gamma=1.0)  # an explicit cost_model= wins
     assert run(3, fn, debug=True, tuning=tuning, cost_model=mine)[0] == mine
+    assert debug_choices(capsys) == ["node"]  # bytes only: the tier copies each byte once
+    assert run(3, fn, debug=True, tuning=tuning, cost_model=mine, node_tier=False)[0] == mine
     assert debug_choices(capsys) == ["ring"]
 
 
@@ -365,7 +367,7 @@ def test_tune_quick_writes_a_file_that_loads_and_keeps_other_entries(tmp_path):
     data = json.loads(out.read_text())
     mine = next(e for e in data["entries"] if e["p"] == 2)
     assert mine["nodes"] == [2] and mine["mpi_library"] and mine["hosts"]
-    assert set(mine["measured"]["outofplace"]) == set(FLAT)
+    assert set(mine["measured"]["outofplace"]) == set(FLAT) | {"node"}  # one node: the tier
     assert all(v > 0 for v in mine["measured"]["inplace"]["ring"])
     assert [n for n in os.listdir(tmp_path)] == ["tuning.json"]
 

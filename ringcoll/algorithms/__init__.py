@@ -40,7 +40,6 @@ class CostModel:
     gamma: float = 0.05e-9  # s per byte reduced by a NumPy ufunc
     inter_alpha: float | None = None  # between nodes; None = same as inside a node
     inter_beta: float | None = None
-    node_alpha: float = 3e-6  # one handoff of the node tier (a counter posted and seen + Python)
 
     def allreduce(self, name, nbytes, p, nodes=None):
         """Predicted seconds of all-reduce `name` on nbytes at p ranks.
@@ -68,10 +67,13 @@ class CostModel:
             return math.ceil(math.log2(p)) * a + (p - 1) * n * (b + g)
         if name == "rabenseifner":
             return 2 * steps * a + 2 * (core - 1) / core * n * b + (core - 1) / core * n * g + fold
-        if name == "node":  # 3 handoffs a chunk; every byte copied once by the rank needing it
+        if name == "node":  # 3 handoffs a chunk, each waiting on p-1 peers and costing about
+            # a message's latency (measured on 2 cores: 3.3 us at p = 2, alpha fitted 2.9 us);
+            # beta prices a byte through MPI's shared memory, which copies it twice (into its
+            # cells and out): the tier copies each byte once, by the rank that needs it
             chunks = max(1, math.ceil(nbytes / node.HOST_CHUNK))
-            return (3 * chunks * self.node_alpha + (2 * (p - 1) / p + 1 / p) * n * self.beta
-                    + (p - 1) / p * n * g)
+            return (3 * chunks * (p - 1) * a
+                    + (2 * (p - 1) / p + 1 / p) * n * self.beta / 2 + (p - 1) / p * n * g)
         if name == "hierarchical":
             k, a, b = max(len(m) for m in nodes), self.alpha, self.beta
             local = 2 * (k - 1) * a + 2 * (k - 1) / k * n * b + (k - 1) / k * n * g

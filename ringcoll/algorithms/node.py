@@ -48,14 +48,15 @@ import zlib
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError, InvalidArgumentError
+from ..errors import CollectiveMismatchError
 from ..transport.base import NoSharedMemory
 from . import ring
 
 SLOTS = 2  # double buffering: chunk s + 1 copies in while peers still gather chunk s
 HOST_CHUNK = 1 << 20  # measured on 2 cores (MPICH): 256 KiB and 4 MiB were both slower
 DEVICE_CHUNK = 16 << 20
-MAX_REGISTERED = 64  # registered buffers per tier (each an MPI window or an IPC mapping)
+MAX_REGISTERED = 64  # live registered buffers per tier (each an MPI window or IPC mapping);
+# more are ordinary arrays: MPI libraries run out of windows (context ids) in the thousands
 
 # counters of each rank's Flags row; then, per slot, DESCRIBE words
 READY, REDUCED, DONE = 0, 1, 2
@@ -93,11 +94,10 @@ class Tier:
     # -- registered buffers -------------------------------------------------------------------
     def register(self, nbytes):
         """Collective: a new registered buffer of nbytes on every rank; returns this rank's
-        segment (a uint8 array the caller views as its array)."""
-        if len(self.registered) >= MAX_REGISTERED:
-            raise InvalidArgumentError(
-                f"ringcoll rank {self.rank}, shared_array: {MAX_REGISTERED} shared arrays are "
-                "registered already; release() the ones no longer needed")
+        segment (a uint8 array the caller views as its array), or None once MAX_REGISTERED
+        are live (the same on every rank: they register in the same order)."""
+        if sum(s is not None for s in self.registered) >= MAX_REGISTERED:
+            return None
         shared = self._t.shared(nbytes)
         self.registered.append(shared)
         return shared.segments[self.rank]
@@ -133,21 +133,35 @@ class Tier:
 
 def tier_of(t, ws):
     """The Tier of transport t (made on first use, collectively), or None where the ranks
-    cannot share memory: the callers then run the ring."""
+    cannot share memory, or the tier is switched off (RINGCOLL_NODE_TIER=0): the callers then
+    run the ring."""
+    if not ws.node_tier:
+        return None
+
     def build():
         try:
             return Tier(t, ws.node_chunk if ws.node_chunk else
                         (DEVICE_CHUNK if ws.device else HOST_CHUNK))
         except NoSharedMemory:
             return False  # (cached: never asked again)
-    key = ("node", id(getattr(t, "parent", t)), tuple(getattr(t, "members", ())))
-    return ws.resident(key, build) or None
+    return ws.resident(_key(t), build) or None
 
 
-def available(t):
-    """Can transport t run the node tier at all (before any tier is made)? Its ranks must
-    also be on one node, which the Communicator knows from its node list."""
-    return hasattr(t, "shared")
+def existing(t, ws):
+    """The Tier of t if one was made already, else None (never makes one)."""
+    return ws.resident_get(_key(t)) or None
+
+
+def _key(t):
+    # a view (hierarchical's node group) is named by its parent and members: views are
+    # rebuilt when plans are evicted, and must find the same memory again
+    return ("node", id(getattr(t, "parent", t)), tuple(getattr(t, "members", ())))
+
+
+def available(t, ws):
+    """May transport t run the node tier (before any tier is made)? Its ranks must also be on
+    one node, which the Communicator knows from its node list."""
+    return ws.node_tier and hasattr(t, "shared")
 
 
 # -- the collectives --------------------------------------------------------------------------
@@ -334,11 +348,10 @@ def _check_headers(tier, i, header, kind):
 
 def _address(x):
     """The address of x's first byte (NumPy or CuPy)."""
-    data = getattr(x, "data", None)
-    ptr = getattr(data, "ptr", None)
-    if ptr is not None:
-        return ptr
-    return x.__array_interface__["data"][0]
+    if isinstance(x, np.ndarray):
+        return x.ctypes.data  # (not __array_interface__: it refuses dtypes like bfloat16)
+    return x.data.ptr
 
 
-__all__ = ["Tier", "allgather", "allreduce", "available", "chunks", "reduce_scatter", "tier_of"]
+__all__ = ["Tier", "allgather", "allreduce", "available", "chunks", "existing", "reduce_scatter",
+           "tier_of"]

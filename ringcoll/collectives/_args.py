@@ -214,7 +214,8 @@ def pick_simple(algorithm, names, ctx, g=None, side=None):
     one node (g.nodes): device to device, not through the host's MPI."""
     if algorithm in (None, "auto"):
         if side is not None and side.device is not None and "node" in names \
-                and len(g.nodes) == 1 and g.size > 1 and hasattr(side.t, "shared"):
+                and len(g.nodes) == 1 and g.size > 1 and side.ws.node_tier \
+                and hasattr(side.t, "shared"):
             return "node"
         return names[0]
     if algorithm in names:

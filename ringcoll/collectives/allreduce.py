@@ -84,7 +84,7 @@ def pick(g, algorithm, nbytes, ctx, inplace=False, side=None):
             f"{ctx}unknown algorithm {name!r}; choose one of {ALLREDUCE_NAMES}")
     if name == "auto":
         if side is not None and side.device is not None and g.size > 1 \
-                and tier_possible(g, side.t):
+                and tier_possible(g, side):
             # GPU buffers: the tier moves them device to device (CUDA IPC), where every
             # message would cross PCIe twice and the host's MPI once (measured 28-80x)
             return "node"
@@ -92,11 +92,11 @@ def pick(g, algorithm, nbytes, ctx, inplace=False, side=None):
     return name
 
 
-def tier_possible(g, t):
-    """May the node tier run: every rank on one node and a transport with shared memory (it
-    still falls back to the ring inside if the memory cannot be had, e.g. an MPI library
-    without shared windows). The same answer on every rank."""
-    return len(g.nodes) == 1 and node.available(t)
+def tier_possible(g, side):
+    """May the node tier run on side's buffers: every rank on one node, the tier switched on
+    and a transport with shared memory (it still falls back to the ring inside if the memory
+    cannot be had, e.g. an MPI library without shared windows). The same on every rank."""
+    return len(g.nodes) == 1 and node.available(side.t, side.ws)
 
 
 def auto(g, nbytes, inplace=False):
@@ -106,10 +106,10 @@ def auto(g, nbytes, inplace=False):
     if name is None:
         measured = (g.tuning.choose(nbytes, g.size, g.nodes, inplace)
                     if g.tuning is not None else None)
-        if measured == "node" and not tier_possible(g, g.t):
+        if measured == "node" and not tier_possible(g, g.host):
             measured = None  # a table measured over MPI, used where the tier cannot run
         name = g.choices.put(key, measured or g.cost_model.choose_allreduce(
-            nbytes, g.size, g.nodes, tier=tier_possible(g, g.t)))
+            nbytes, g.size, g.nodes, tier=tier_possible(g, g.host)))
     return name
 
 

@@ -44,15 +44,23 @@ is in docs/gpu.md.
 
 The staging runs against a small Device interface (CupyDevice here; tests/_fake_device.py
 implements it with NumPy arrays and deferred copies to test the schedule on a CPU).
+
+Both paths also give the node tier (algorithms/node.py) device memory: shared() maps every
+rank's allocation into the others through CUDA IPC (open_device_shared, at the end of this
+file: written once against the Device interface and the host transport's shared() and
+flags(), so tests/_fake_device.py runs it on a CPU with POSIX shared memory), and flags()
+keeps the tier's counters in host memory.
 """
 
+import os
+import sys
 from collections import deque
 from functools import partial
 
 import numpy as np
 
 from ..errors import CollectiveMismatchError
-from .base import Transport, describe_tag
+from .base import NoSharedMemory, Shared, Transport, describe_tag
 
 TAG = 8  # bytes after the first chunk's data: _MAGIC ^ the message's total size
 _MAGIC = 0x52494E47434F4C4C  # "RINGCOLL"
@@ -88,6 +96,21 @@ class Device:
     to_host(src, offset, block, nbytes, stream): queue a copy of bytes [offset, offset+nbytes)
         of device buffer src into pinned block (a PinnedBlock) on stream;
     to_device(block, dst, offset, nbytes, stream): the reverse.
+
+    The node tier's device memory (open_device_shared: CUDA IPC between processes, direct
+    pointers within one) needs eight more, all plain calls with no collective part:
+    alloc(nbytes) -> (owner, ptr): a device allocation of its own (cudaMalloc, never a pool
+        block: an IPC handle names a whole allocation, so a pool block would need its offset
+        too); owner keeps it alive, ptr is its address. free(owner): give it back.
+    ipc_handle(ptr) -> bytes: the IPC handle of the allocation at ptr, for another process.
+    ipc_open(handle) -> ptr: map a peer process's allocation here (never this process's own:
+        CUDA refuses that); ipc_close(ptr): unmap it, before its owner frees it.
+    wrap(ptr, nbytes, owner) -> a 1-D uint8 device array over nbytes at ptr (owner: what keeps
+        the memory alive, or None where something else does).
+    device_id() -> int: this device's ordinal; can_access_peer(other) -> bool: may kernels on
+        this device read memory on device `other` (True for the same device)?
+    fence(): the host waits until the work queued on the current stream has run, so what it
+        wrote is there for a peer that reads it next.
     """
 
 
@@ -142,6 +165,47 @@ class CupyDevice(Device):
 
     def to_device(self, block, dst, offset, nbytes, stream):
         self._memcpy(dst.data.ptr + offset, block.ptr, nbytes, self._h2d_kind, stream.ptr)
+
+    # -- the node tier's device memory (see Device) -----------------------------------------
+    def alloc(self, nbytes):
+        with self.cupy.cuda.Device(self.id):
+            memory = self.cupy.cuda.Memory(nbytes)  # cudaMalloc: not the pool (see Device)
+        return memory, memory.ptr
+
+    def free(self, owner):
+        """Nothing to do here: CuPy frees a Memory with its last reference, and the own
+        segment's array holds one (wrap's owner), so the memory outlives every view of it."""
+
+    def ipc_handle(self, ptr):
+        with self.cupy.cuda.Device(self.id):
+            return self.cupy.cuda.runtime.ipcGetMemHandle(ptr)
+
+    def ipc_open(self, handle):
+        runtime = self.cupy.cuda.runtime
+        with self.cupy.cuda.Device(self.id):  # mapped into this device's context
+            # lazy peer access: a peer's allocation on another GPU becomes readable here
+            return runtime.ipcOpenMemHandle(handle, runtime.cudaIpcMemLazyEnablePeerAccess)
+
+    def ipc_close(self, ptr):
+        with self.cupy.cuda.Device(self.id):
+            self.cupy.cuda.runtime.ipcCloseMemHandle(ptr)
+
+    def wrap(self, ptr, nbytes, owner):
+        cuda = self.cupy.cuda
+        with cuda.Device(self.id):
+            memory = cuda.UnownedMemory(ptr, nbytes, owner)  # its device: looked up from ptr
+            return self.cupy.ndarray((nbytes,), self.cupy.uint8, cuda.MemoryPointer(memory, 0))
+
+    def device_id(self):
+        return self.id
+
+    def can_access_peer(self, other):
+        other = int(other)
+        return other == self.id or bool(
+            self.cupy.cuda.runtime.deviceCanAccessPeer(self.id, other))
+
+    def fence(self):
+        self.cupy.cuda.get_current_stream().synchronize()
 
 
 class PinnedBlock:
@@ -260,6 +324,19 @@ class _Wrapper(Transport):
 
     def node_ids(self):
         return self.inner.node_ids()
+
+    def shared(self, nbytes, members=None):
+        """Collective over members: the node tier's memory (base.Shared) in device memory,
+        each rank's segment mapped into every other rank (see open_device_shared)."""
+        if getattr(self.device, "alloc", None) is None or not hasattr(self.inner, "shared"):
+            why = ("has no IPC calls (alloc, ipc_handle, ...)" if not hasattr(self.device, "alloc")
+                   else f"runs over {type(self.inner).__name__}, which has no shared memory")
+            raise NoSharedMemory(f"the device {type(self.device).__name__} {why}")
+        return open_device_shared(self.inner, self.device, nbytes, members)
+
+    def flags(self, words, members=None):
+        """The node tier's counters stay in host memory: the host polls them."""
+        return self.inner.flags(words, members)
 
     def close(self):
         self.inner.close()
@@ -612,3 +689,239 @@ def for_device(inner, device, aware=None, chunk_bytes=1 << 20):
     if aware:
         return cuda_aware(inner, device), "cuda-aware", why
     return staged(inner, device, chunk_bytes), "staged", why
+
+
+# -- the node tier's device memory ---------------------------------------------------------------
+# Each rank's record in the set-up's host Shared: uint64 fields, its IPC handle's bytes, and the
+# text of what failed on it (if something did), which every rank then puts in its error.
+_RECORD, _HANDLE_AT, _MESSAGE_AT = 1024, 64, 320
+_DEVICE, _PID, _PTR, _HANDLE_LEN, _MESSAGE_LEN = range(5)
+# the set-up's Flags words: the stage a rank has reached, and the stage it failed in (0: none)
+_STAGE, _FAILED = 0, 1
+PUBLISHED, CHECKED, OPENED, UNMAPPED = 1, 2, 3, 4
+
+
+def open_device_shared(inner, device, nbytes, members=None):
+    """Collective over members: a Shared whose segments are device memory, every rank's
+    allocation mapped into every other rank of the group.
+
+    Written once against the Device interface and the host transport `inner` (its shared()
+    and flags(), never MPI itself). Each rank allocates nbytes, writes its record (IPC handle,
+    device, pid, address) into a small host Shared, and the ranks meet through host Flags at
+    three stages, each followed by a look at every rank's verdict:
+
+        PUBLISHED  records written                  (a failed allocation ends it here)
+        CHECKED    peer access checked for every peer on another device
+        OPENED     every peer's handle opened       (never this rank's own: CUDA refuses)
+
+    If any rank failed at a stage, every rank sees it at the same meeting, undoes what it did
+    (after OPENED it first unmaps, then meets once more, so that no owner frees memory a peer
+    still maps) and raises NoSharedMemory naming the ranks and why: the tier then runs the
+    ring on every rank alike. A transport whose ranks share one address space (the thread
+    transport's `same_process`) has no handles to exchange: the ranks use each other's
+    pointers directly, as NCCL does within a process; the stages and checks are the same.
+    """
+    meta = inner.shared(_RECORD, members)
+    try:
+        flags = inner.flags(2, members)
+    except BaseException:
+        meta.close()
+        raise
+    ranks = list(range(inner.size) if members is None else members)
+    return _Setup(meta, flags, device, nbytes, ranks, _same_process(inner)).run()
+
+
+def _same_process(t):
+    """Do all ranks of transport t live in this process? The transport says so (thread
+    transport: same_process = True); a view asks the transport it is a view of."""
+    while t is not None:
+        if hasattr(t, "same_process"):
+            return bool(t.same_process)
+        t = getattr(t, "parent", None)
+    return False
+
+
+class _Refused(Exception):
+    def __init__(self, stage, why):
+        super().__init__(why)
+        self.stage = stage
+
+
+class _Setup:
+    """One open_device_shared call on one rank: its steps, and the undoing of them."""
+
+    def __init__(self, meta, flags, device, nbytes, ranks, direct):
+        self.meta, self.flags, self.dev, self.nbytes = meta, flags, device, nbytes
+        self.rank, self.size, self.ranks, self.direct = meta.rank, meta.size, ranks, direct
+        self.me = ranks[self.rank]  # as the caller's transport numbers it: for messages
+        self.fields = [seg[:_HANDLE_AT].view(np.uint64) for seg in meta.segments]
+        self.owner = self.ptr = None
+        self.opened = {}  # peer -> the address its handle was opened at
+        self.segments = [None] * self.size
+
+    def run(self):
+        try:
+            self._stage(PUBLISHED, self._publish)
+            self._stage(CHECKED, self._check)
+            self._stage(OPENED, self._open)
+        except _Refused as refused:
+            self._undo(refused.stage)
+            raise NoSharedMemory(str(refused)) from None
+        self.meta.close()
+        return DeviceShared(self.rank, self.segments, self.dev, self.owner, self.opened,
+                            self.flags, self.ranks)
+
+    def _stage(self, stage, work):
+        """work(); then meet every rank at `stage` and raise _Refused, on every rank alike,
+        if any of them failed in it. An error of work() is this rank's verdict, never a
+        reason to leave the meeting: the peers would wait for it forever."""
+        try:
+            work()
+        except Exception as exc:  # noqa: BLE001 - becomes every rank's NoSharedMemory
+            self._fail(stage, f"{type(exc).__name__}: {exc}")
+        meta, flags = self.meta, self.flags
+        meta.fence()
+        flags.post(_STAGE, stage)
+        flags.wait_all(_STAGE, stage)
+        meta.fence()
+        # failed at this stage: `== stage`, not `!= 0`, since a faster rank may have failed
+        # at the next one already (its verdict is written before its next meeting, and a
+        # rank stops at the first stage someone failed in: there is no older verdict to see)
+        failed = [q for q in range(self.size) if flags.value(q, _FAILED) == stage]
+        if failed:
+            why = "; ".join(f"rank {self.ranks[q]}: {self._message(q)}" for q in failed)
+            raise _Refused(stage, (
+                f"ringcoll rank {self.me}: no shared device memory for ranks {self.ranks} "
+                f"(CUDA IPC): {why}. The node tier runs the ring instead."))
+
+    def _fail(self, stage, text):
+        """This rank's verdict: failed at `stage`, because of `text` (kept in its record)."""
+        if self.flags.value(self.rank, _FAILED):
+            return  # the first reason is the one to tell (and the stage: see _stage)
+        room = _RECORD - _MESSAGE_AT
+        data = text.encode("utf-8", "replace")[:room]
+        mine = self.meta.segments[self.rank]
+        mine[_MESSAGE_AT:_MESSAGE_AT + len(data)] = np.frombuffer(data, np.uint8)
+        self.fields[self.rank][_MESSAGE_LEN] = len(data)
+        self.flags.post(_FAILED, stage)
+
+    def _message(self, q):
+        n = int(self.fields[q][_MESSAGE_LEN])
+        return bytes(self.meta.segments[q][_MESSAGE_AT:_MESSAGE_AT + n]).decode("utf-8", "replace")
+
+    # -- the steps --------------------------------------------------------------------------
+    def _publish(self):
+        dev, mine = self.dev, self.fields[self.rank]
+        mine[_PID] = os.getpid()
+        mine[_DEVICE] = dev.device_id()
+        self.owner, self.ptr = dev.alloc(max(self.nbytes, 1))  # (an empty one has no handle)
+        mine[_PTR] = self.ptr
+        handle = b"" if self.direct else bytes(dev.ipc_handle(self.ptr))
+        if len(handle) > _MESSAGE_AT - _HANDLE_AT:
+            raise ValueError(f"an IPC handle of {len(handle)} bytes does not fit the "
+                             f"{_MESSAGE_AT - _HANDLE_AT} bytes its record has for it")
+        segment = self.meta.segments[self.rank]
+        segment[_HANDLE_AT:_HANDLE_AT + len(handle)] = np.frombuffer(handle, np.uint8)
+        mine[_HANDLE_LEN] = len(handle)
+
+    def _check(self):
+        mine = self.fields[self.rank]
+        device, pid = int(mine[_DEVICE]), int(mine[_PID])
+        for q in range(self.size):
+            if q == self.rank:
+                continue
+            theirs = self.fields[q]
+            if not self.direct and int(theirs[_PID]) == pid:
+                self._fail(CHECKED, (
+                    f"ranks {self.me} and {self.ranks[q]} are one process (pid {pid}), which "
+                    "cannot open its own IPC handle, but the transport does not say "
+                    "same_process = True; give it that attribute"))
+                return
+            other = int(theirs[_DEVICE])
+            if other != device and not self.dev.can_access_peer(other):
+                self._fail(CHECKED, (
+                    f"GPU {device} (rank {self.me}) has no peer access to GPU {other} "
+                    f"(rank {self.ranks[q]}): cudaDeviceCanAccessPeer({device}, {other}) is 0. "
+                    "Put the ranks of a node-tier group on GPUs with peer access (NVLink or "
+                    "one PCIe switch; see nvidia-smi topo -m), or on one GPU"))
+                return
+
+    def _open(self):
+        dev, nbytes = self.dev, self.nbytes
+        for q in range(self.size):
+            if q == self.rank:
+                continue
+            if self.direct:
+                ptr = int(self.fields[q][_PTR])
+            else:
+                n = int(self.fields[q][_HANDLE_LEN])
+                handle = bytes(self.meta.segments[q][_HANDLE_AT:_HANDLE_AT + n])
+                ptr = self.opened[q] = dev.ipc_open(handle)  # noted first: undo closes it
+            self.segments[q] = dev.wrap(ptr, nbytes, None)
+        self.segments[self.rank] = dev.wrap(self.ptr, nbytes, self.owner)
+
+    def _undo(self, stage):
+        """Free what this rank made, in the order that keeps every peer safe, and the
+        set-up's host memory: collective, after a _Refused every rank saw alike."""
+        self.segments = None
+        trouble = _close_all(self.dev, self.opened)
+        if stage >= OPENED:  # peers may map my memory until they unmapped it
+            self.flags.post(_STAGE, UNMAPPED)
+            self.flags.wait_all(_STAGE, UNMAPPED)
+        if self.owner is not None:
+            self.dev.free(self.owner)
+        self.owner = None
+        self.meta.close()
+        self.flags.close()
+        if trouble:
+            print(f"ringcoll rank {self.me}: while giving up on CUDA IPC: {trouble}",
+                  file=sys.stderr, flush=True)
+
+
+def _close_all(dev, opened):
+    """ipc_close every mapping in opened (emptied); the errors, as text (every mapping is
+    tried: one that fails must not keep the others open)."""
+    errors = []
+    for q, ptr in sorted(opened.items()):
+        try:
+            dev.ipc_close(ptr)
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(f"closing the mapping of group rank {q}: {type(exc).__name__}: {exc}")
+    opened.clear()
+    return "; ".join(errors)
+
+
+class DeviceShared(Shared):
+    """The node tier's memory in device memory (made by open_device_shared).
+
+    segments[q]: group rank q's allocation as a uint8 device array (this rank's own, or a
+    peer's mapped through CUDA IPC, or its pointer within one process). fence() synchronises
+    the current stream: a kernel still writing a segment has finished once it returns, so a
+    peer that sees the flag posted next reads finished bytes. The Flags it keeps (host memory)
+    are for close(), whose meeting lets no owner free memory a peer still maps.
+    """
+
+    def __init__(self, rank, segments, device, owner, opened, flags, ranks):
+        self.rank, self.size, self.segments = rank, len(segments), segments
+        self._dev, self._owner, self._opened, self._flags = device, owner, opened, flags
+        self._ranks = ranks
+        self.fence = device.fence  # bound once: the tier fences a few times a chunk
+
+    def fence(self):  # (replaced per instance by the device's fence itself)
+        self._dev.fence()
+
+    def close(self):
+        """Collective: unmap the peers' memory, meet, then free this rank's own."""
+        if self.segments is None:
+            return
+        self.segments = None
+        self._dev.fence()  # my last kernels on a peer's memory have run before I unmap it
+        trouble = _close_all(self._dev, self._opened)
+        self._flags.post(_STAGE, UNMAPPED)
+        self._flags.wait_all(_STAGE, UNMAPPED)
+        self._dev.free(self._owner)
+        self._owner = None
+        self._flags.close()
+        if trouble:
+            raise RuntimeError(f"ringcoll rank {self._ranks[self.rank]}, closing the node "
+                               f"tier's device memory: {trouble}")

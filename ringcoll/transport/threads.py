@@ -65,6 +65,11 @@ class ThreadWorld:
 
 
 class ThreadTransport(Transport):
+    #: every rank is a thread of this process: the node tier's device memory (device.py's
+    #: open_device_shared) then passes pointers, as NCCL does within a process, instead of
+    #: CUDA IPC handles, which a process cannot open for its own memory
+    same_process = True
+
     def __init__(self, world, rank):
         self.world = world
         self.rank = rank
@@ -178,7 +183,8 @@ class ThreadTransport(Transport):
             cls = PeerFailedError if failure else CollectiveTimeoutError
             raise cls(f"ringcoll rank {self.rank}, {call}: rank(s) {missing} did not call "
                       f"{call}() within {world.timeout} s"
-                      + (f" (rank {failure[0]} failed: {failure[1]})" if failure else ""))
+                      + (f" (rank {failure[0]} failed: {type(failure[1]).__name__}: "
+                         f"{failure[1]})" if failure else ""))
         return table
 
     def split(self, color, key):
