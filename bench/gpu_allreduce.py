@@ -4,9 +4,13 @@ All-reduce on GPU buffers (CuPy), against the bounds that limit it, all measured
 Every rank uses GPU (node-local rank % GPUs): on a one-GPU machine all ranks share it.
 
 Rows, per size n (bytes per rank), each timed round-robin in the same rounds:
-  ringcoll <path> <algorithm>  comm.allreduce on CuPy arrays (out of place), <path> being what
-                    ringcoll chose (staged or cuda-aware, see docs/gpu.md); with --staging-bytes,
-                    also the staged path forced, per chunk size
+  ringcoll <path> <algorithm>  comm.allreduce on CuPy arrays (out of place), <path> being how
+                    the algorithm moves device buffers: "node tier" for auto and node on one
+                    node (CUDA IPC, docs/node_tier.md), else what ringcoll chose for messages
+                    (staged or cuda-aware, see docs/gpu.md); with --staging-bytes, also the
+                    staged path forced, per chunk size
+  ringcoll node tier registered  in place on a registered buffer (comm.shared_array with
+                    xp=cupy): no copy into the tier's slots
   copy bound        D2H and H2D of V bytes at once (two streams, pinned host buffers, all
                     ranks together), V defined below
   MPI floor         2(p-1) MPI Sendrecv of n/p bytes between ring neighbours, pinned host
@@ -35,7 +39,12 @@ NCCL needs one GPU per rank: it runs where every rank of a node has its own GPU,
 anything). With several ranks on one GPU it is skipped with a note. CuPy 14 does not ship NCCL:
 pip install nvidia-nccl-cu13 (or -cu12), else it is skipped with a note.
 
-Exit status: 0 ok, 1 wrong results, 2 bad arguments or no GPU, 3 the gate missed.
+The node tier's targets (issue 27), judged on the faster of its two rows (plain, registered)
+where the size was run and p is 2 or 4 (--no-node-gates: report only):
+  p = 2: 1 MiB all-reduce <= 150 us; 64 MiB busbw >= 80 GB/s; 256 MiB busbw >= 200 GB/s
+  p = 4: 64 MiB busbw >= 60 GB/s
+
+Exit status: 0 ok, 1 wrong results, 2 bad arguments or no GPU, 3 a gate missed.
 """
 
 import argparse
@@ -51,6 +60,10 @@ from harness import Case, UsageError, count_wrong, environment, parse_size, reso
 import ringcoll
 
 WORLD = MPI.COMM_WORLD
+#: the node tier's targets: p -> [(bytes, "busbw" GB/s at least | "time" us at most, value)]
+NODE_GATES = {2: [(1 << 20, "time", 150.0), (64 << 20, "busbw", 80.0),
+                  (256 << 20, "busbw", 200.0)],
+              4: [(64 << 20, "busbw", 60.0)]}
 RANK, P = WORLD.Get_rank(), WORLD.Get_size()
 
 
@@ -65,8 +78,10 @@ def parse(argv):
     ap.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("64M"))
     ap.add_argument("-f", "--stepfactor", type=int, default=4)
     ap.add_argument("-d", "--dtype", default="float32")
-    ap.add_argument("-a", "--algorithms", default="auto,ring",
-                    help="ringcoll algorithms on device buffers (default auto,ring)")
+    ap.add_argument("-a", "--algorithms", default="auto,node,ring",
+                    help="ringcoll algorithms on device buffers (default auto,node,ring)")
+    ap.add_argument("--no-node-gates", action="store_true",
+                    help="report the node tier's targets without judging them")
     ap.add_argument("--staging-bytes", default="",
                     help="also time the staged path forced, with these chunk sizes (e.g. 1M,4M)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -174,12 +189,22 @@ def _main(args):
         wrong_total += sum(r["wrong"] or 0 for r in out)
         if P > 1 and nbytes == args.gate_bytes:
             gates.append(gate(out, args))
+        gates += node_gates(out, nbytes, args)
         size *= args.stepfactor
+        for row in rows:  # registered buffers are freed collectively, in row order
+            getattr(row, "release", lambda: None)()
         del rows
     status = 1 if wrong_total else 0
     if P > 1 and not gates:
         say(f"# gate: no size equal to --gate-bytes {args.gate_bytes} was run: not judged")
     for g in gates:
+        if g.get("kind") == "node":
+            say(f"# node tier at {g['size']} B: {g['row']} {g['what']} {g['value']:.2f} "
+                f"(target {g['op']} {g['target']}): "
+                + ("PASS" if g["passed"] else "MISS" if g["enforced"] else "info"))
+            if g["enforced"] and not g["passed"] and status == 0:
+                status = 3
+            continue
         say(f"# gate at {g['size']} B: staged ring {g['staged_busbw']:.2f} GB/s = "
             f"{g['ratio_staging']:.2f} of the staging bound {g['staging_bound']:.2f} GB/s "
             f"(= min(copy bound {g['copy_bound']:.2f}, MPI floor {g['mpi_floor']:.2f})), "
@@ -258,7 +283,10 @@ def build_rows(cupy, cupyx, comm, forced, algorithms, nccl, dtype, count, args):
 
     path = comm.device_path(cupy.zeros(1))[0]
     for a in algorithms:
-        rows.append(device_row(f"ringcoll {path} {a}", comm, a))
+        how = "node tier" if a in ("auto", "node") and len(comm.nodes) == 1 and P > 1 else path
+        rows.append(device_row(f"ringcoll {how} {a}", comm, a))
+    if P > 1 and len(comm.nodes) == 1:
+        rows.append(registered_row(cupy, comm, case, count, dtype, expect, volume))
     for chunk, c in forced.items():
         rows.append(device_row(f"ringcoll staged ring chunk={chunk >> 10}K", c, "ring"))
     rows.append(copy_row(cupy, cupyx, int(volume)))
@@ -282,6 +310,46 @@ def build_rows(cupy, cupyx, comm, forced, algorithms, nccl, dtype, count, args):
         row.wrong = WORLD.allreduce(count_wrong(cupy.asnumpy(y), expect, case), op=MPI.SUM)
         rows.append(row)
     return rows
+
+
+def registered_row(cupy, comm, case, count, dtype, expect, volume):
+    """In-place all-reduce of a registered device buffer (comm.shared_array, xp=cupy): checked
+    once on the case's data, then timed on zeros (repeated sums stay zero)."""
+    stream = cupy.cuda.get_current_stream()
+    buf = comm.shared_array(count, dtype, xp=cupy)
+    buf[...] = cupy.asarray(case.data(RANK))
+    comm.allreduce(buf, algorithm="node", out=buf)
+    stream.synchronize()
+    wrong = WORLD.allreduce(count_wrong(cupy.asnumpy(buf), expect, case), op=MPI.SUM)
+    buf[...] = 0
+    row = Row("ringcoll node tier registered", lambda: comm.allreduce(buf, algorithm="node",
+                                                                      out=buf),
+              stream.synchronize, volume)
+    row.wrong = wrong
+    row.keep = (buf,)
+    row.release = lambda: comm.release(buf)
+    return row
+
+
+def node_gates(out, nbytes, args):
+    """The node tier's targets at this size (NODE_GATES), judged on its faster row."""
+    found = []
+    rows = [r for r in out if r["row"] in ("ringcoll node tier node",
+                                           "ringcoll node tier registered")]
+    for size, what, target in NODE_GATES.get(P, []):
+        if size != nbytes or not rows:
+            continue
+        if what == "time":
+            best = min(rows, key=lambda r: r["time_us"])
+            value, passed, op = best["time_us"], best["time_us"] <= target, "<="
+        else:
+            best = max(rows, key=lambda r: r["busbw_GBps"])
+            value, passed, op = best["busbw_GBps"], best["busbw_GBps"] >= target, ">="
+        found.append({"kind": "node", "size": nbytes, "row": best["row"],
+                      "what": "time (us)" if what == "time" else "busbw (GB/s)",
+                      "value": value, "target": target, "op": op, "passed": passed,
+                      "enforced": not args.no_node_gates})
+    return found
 
 
 def copy_row(cupy, cupyx, volume):

@@ -14,13 +14,16 @@
 #   3. a preflight: the GPU, CuPy, the CUDA runtime, the MPI library and what
 #      MPIX_Query_cuda_support says (so the log shows which path ringcoll takes);
 #   4. tests/test_gpu.py in-process (kernels, every collective over threads at 1..4 ranks,
-#      direct and staged), then its mpiexec tier at -n 1, 2 and 4, all ranks sharing the GPU
+#      direct and staged, the node tier on device memory), then its mpiexec tier at -n 1, 2
+#      and 4, all ranks sharing the GPU, where auto runs the node tier (CUDA IPC)
 #      (RINGCOLL_REQUIRE_GPU=1: a skip for want of a GPU is a failure here);
-#   5. bench/gpu_allreduce.py at -n 2 (with the 70% staging gate at 64 MiB), -n 4 and -n 1
-#      (-n 1 is the only NCCL comparison one GPU allows);
+#   5. bench/gpu_allreduce.py at -n 2, 1 MiB to 256 MiB (the 70% staging gate at 64 MiB and
+#      the node tier's targets: 1 MiB <= 150 us, 64 MiB >= 80 GB/s, 256 MiB >= 200 GB/s
+#      busbw), -n 4 (node tier: 64 MiB >= 60 GB/s) and -n 1 (the only NCCL comparison one
+#      GPU allows);
 #   6. tests/test_kernel_source.py if a C++ compiler is there (the kernel source on the CPU).
 #
-# Everything runs under a deadline (RINGCOLL_GPU_CHECK_SECONDS, default 470 s: within 8
+# Everything runs under a deadline (RINGCOLL_GPU_CHECK_SECONDS, default 340 s: within 6
 # minutes with the setup); a step that would pass it is cut off and counts as failed. Exit
 # status: 0 every step passed, 1 a step failed, 2 no GPU or a setup problem (a message says
 # which and how to fix it).
@@ -53,7 +56,7 @@ LOG=$OUT/gpu_check.log
 exec > >(tee -a "$LOG") 2>&1
 
 START=$(date +%s)
-DEADLINE=$((START + ${RINGCOLL_GPU_CHECK_SECONDS:-470}))
+DEADLINE=$((START + ${RINGCOLL_GPU_CHECK_SECONDS:-340}))
 WHEELS=${RINGCOLL_WHEELS:-.whl}
 WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")
 PY=${PYTHON:-python3}
@@ -233,8 +236,8 @@ step "pytest gpu mpiexec 1,2,4" 150 env RINGCOLL_REQUIRE_GPU=1 "${PYTEST[@]}" te
 
 # -- 5. the benchmark on device buffers -----------------------------------------------------
 BENCH=(bench/gpu_allreduce.py -b 1M -e 64M -f 4)
-step "bench -n 2 (gate)" 90 "$MPIEXEC" -n 2 "$PY" "${BENCH[@]}" --staging-bytes 256K,4M \
-    --json "$OUT/bench_gpu_p2.json"
+step "bench -n 2 (gates)" 120 "$MPIEXEC" -n 2 "$PY" "${BENCH[@]}" -e 256M \
+    --staging-bytes 256K,4M --json "$OUT/bench_gpu_p2.json"
 step "bench -n 4" 70 "$MPIEXEC" -n 4 "$PY" "${BENCH[@]}" --json "$OUT/bench_gpu_p4.json"
 step "bench -n 1 (NCCL)" 40 "$MPIEXEC" -n 1 "$PY" "${BENCH[@]}" --json "$OUT/bench_gpu_p1.json"
 

@@ -220,7 +220,7 @@ def check_reduce_scatter(comms, light):
     slot = 0
     for cname in ("world", "ls2_seg64"):
         comm = comms[cname]
-        for algo in (None, "native"):
+        for algo in (None, "node", "native"):
             for rows in rows_list:
                 for trail in ((), (3,)):
                     dtype, op = O.COMBOS[(5 * slot + P) % len(O.COMBOS)]
@@ -246,7 +246,7 @@ def check_reduce_scatter(comms, light):
 def check_allgather(comms, light):
     for cname in ("world", "ls2_seg64"):
         comm = comms[cname]
-        for algo in (None, "native"):
+        for algo in (None, "node", "native"):
             cases = [((RANK * 7 + 3) % 4, (), np.dtype(np.int32)),
                      ((RANK * 5 + 1) % 3, (2, 3), np.dtype(np.complex64)),
                      (1001 if RANK == P // 2 else 2, (), np.dtype(np.float64)),

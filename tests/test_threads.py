@@ -21,12 +21,13 @@ import _oracle as O
 
 TIMEOUT = 20  # seconds a thread rank may wait for a message: a deadlock fails, fast
 
-ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical", "auto")
+ALGORITHMS = ("ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical", "node",
+              "auto")
 #: (algorithm, local_size): hierarchical on one node, and on nodes of 1, 2 and 3 ranks
 CONFIGS = [
     ("ring", None), ("recursive_doubling", None), ("rabenseifner", None), ("bruck", None),
     ("hierarchical", None), ("hierarchical", 1), ("hierarchical", 2), ("hierarchical", 3),
-    ("auto", None), ("auto", 2),
+    ("auto", None), ("auto", 2), ("node", None),
 ]
 CONFIG_IDS = [f"{a}-ls{k}" for a, k in CONFIGS]
 PS = list(range(1, 17))
@@ -122,7 +123,9 @@ def test_allreduce_grid(cfg_index, p, seg):
             out.append((y.copy(), note))
         return out
 
-    results = run(p, fn, local_size=local_size, segment_bytes=seg)
+    # seg-64B also cuts the node tier's calls into chunks of 256 bytes (many per call)
+    results = run(p, fn, local_size=local_size, segment_bytes=seg,
+                  node_chunk=None if seg is None else 256)
     failures = []
     for k, (seed, count, in_place, dtype, op) in enumerate(cases):
         label = f"{algorithm} p={p} count={count} {dtype} {op} in_place={in_place} seg={seg}"
