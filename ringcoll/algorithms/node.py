@@ -268,15 +268,15 @@ def _run(tier, kind, src, dst, part, combine, ws):
                 target = _view(mine, off_r, count_r, dtype)
             if count_r:
                 _reduce(combine, many, inputs, target)
-            if kind == ALLREDUCE and not where and count_r:
-                dst[start_r:start_r + count_r] = target
             fence()
         if kind == REDUCE_SCATTER:
             flags.post(DONE, s + 1)
             s += 1
             continue
         if kind == ALLREDUCE:
-            flags.post(REDUCED, s + 1)
+            flags.post(REDUCED, s + 1)  # the peers may gather my block now, while I
+            if not where and count_r:  # copy it into my own output (off the critical path)
+                dst[start_r:start_r + count_r] = target
         stage = READY if kind == ALLGATHER else REDUCED
         for q in range(p):  # 3. gather every peer's block
             if q == r:
