@@ -272,6 +272,7 @@ def _main(argv):
         say(f"# wrote {args.json}")
     status = WORLD.bcast(status, root=0)
     dist.destroy_process_group()
+    WORLD.Barrier()  # no rank exits (rank 0 serves gloo's store) while another tears down
     return status
 
 

@@ -288,7 +288,12 @@ def _worker(args, mode, world, MPI, origin):
                 out["timeline"] = lines
         print(RESULT + json.dumps(out), flush=True)
     if ddp is not None:
+        # gloo's rendezvous store is served by rank 0: a rank still tearing its group down
+        # when rank 0 exits aborts in C++ ('terminate called without an active exception',
+        # one launch in five on 2 cores). Every rank destroys, then all leave together.
+        world.Barrier()
         dist.destroy_process_group()
+        world.Barrier()
     return 0
 
 
