@@ -83,12 +83,15 @@ def make(dev, wrap, inner):
         else CudaAwareTransport(inner, dev)
 
 
-def bookkeeping(dev, label, expect_opens=True):
+def bookkeeping(dev, label, expect_opens=True, group=None):
     """Every peer's exported segments opened exactly once here, never this rank's own; all
-    closed again, every allocation freed, nothing live."""
+    closed again, every allocation freed, nothing live. group: the ranks that shared memory
+    (default all); a rank outside it opens nothing."""
     exported = WORLD.allgather(list(dev.exported))
+    group = range(P) if group is None else group
     opened, closed = Counter(dev.opened), Counter(dev.closed)
-    peers = Counter(name for q, names in enumerate(exported) if q != RANK for name in names)
+    peers = Counter(name for q, names in enumerate(exported)
+                    if q != RANK and q in group and RANK in group for name in names)
     if expect_opens:
         check(opened == peers, f"{label}: opened {sorted(opened.items())} instead of each of "
                                f"the peers' {sorted(peers)} once")
@@ -144,7 +147,8 @@ def case_members(args):
         check(got == [10 + m for m in members], f"members: read {got}")
         flags.close()
         shared.close()
-    bookkeeping(dev, "members")
+    bookkeeping(dev, "members", group=members)
+    check(dev.allocs == (RANK in members), f"members: {dev.allocs} allocations")
     inner.close()
 
 

@@ -8,6 +8,8 @@ ranks), the header check, a dead or missing peer, the fallback where there is no
 hierarchical's intra-node stage going through it, and DistributedOptimizer's buckets in it.
 """
 
+import os
+
 import numpy as np
 import pytest
 
@@ -327,6 +329,19 @@ def test_mpi_node_tier(nprocs, mpi_timings):
     mpi_timings[f"mpi_node -n {nprocs}"] = secs
     assert rc == 0, f"mpiexec -n {nprocs} tests/mpi_node.py: rc {rc}\n{out[-6000:]}"
     assert out.count("mpi_node: ok") == nprocs, out[-3000:]
+
+
+@mpirun.needs_mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3, 4])
+def test_mpi_node_tier_device_memory_on_the_fake(nprocs, mpi_timings):
+    """The device half of the tier (CUDA IPC set-up, agreement, bookkeeping) under real MPI,
+    on tests/_fake_device.py: every case's sums right, every peer's segment opened once."""
+    prefix = f"rcipc_t{os.getpid()}_{nprocs}"
+    rc, out, secs = mpirun.launch(nprocs, ["tests/mpi_node_ipc.py", "--prefix", prefix],
+                                  timeout=180)
+    mpi_timings[f"mpi_node_ipc -n {nprocs}"] = secs
+    assert rc == 0, f"mpiexec -n {nprocs} tests/mpi_node_ipc.py: rc {rc}\n{out[-6000:]}"
+    assert f"mpi_node_ipc P={nprocs}:" in out and " 0 failures" in out, out[-3000:]
 
 
 @mpirun.needs_mpi
