@@ -7,7 +7,8 @@ Broadcast: the root's buffer (-r, default 0) copied into the same buffer on ever
   run     comm.broadcast(x, root, algorithm=a)  (in place: the API has only that form)
   check   the root holds its data, the others a sentinel; every rank compares all S bytes
           with the root's data
-  -a      tree (ringcoll's binomial tree), native (MPI_Bcast)
+  -a      tree (ringcoll's binomial tree), node (the node tier: shared memory, one node
+          only), native (MPI_Bcast)
 """
 
 from harness import IN, Spec, main
@@ -25,8 +26,8 @@ def run(comm, x, y, algorithm, c):
 SPEC = Spec(
     name="broadcast",
     busbw_factor=lambda p: 1.0,
-    algorithms=("tree", "native"),
-    default_algorithms=lambda comm: ["tree", "native"],
+    algorithms=("tree", "node", "native"),
+    default_algorithms=lambda comm: ["tree", "node", "native"],
     make=make,
     run=run,
     expect=lambda c: c.data(c.root),

@@ -350,7 +350,7 @@ def check_scatter(comms, light):
 def check_broadcast(comms, light):
     roots = sorted({0, P - 1, P // 2}) if light else range(P)
     comm = comms["world"]
-    for algo in (None, "native"):
+    for algo in (None, "node", "native"):
         for root in roots:
             for i, shape in enumerate([(0,), (1,), (10007,), (3, 4), ()]):
                 dtype = NATIVE_OK[(root + 3 * i) % len(NATIVE_OK)]

@@ -2,7 +2,8 @@
 
 The node tier over MPI-3 shared windows, checked on every rank against MPI's own collectives
 (and bitwise agreement between ranks): all-reduce through the tier (one chunk, many chunks,
-in place and out, several dtypes and ops), reduce-scatter and all-gather through it,
+in place and out, several dtypes and ops), reduce-scatter, all-gather and broadcast (every
+kind of root, a registered one too) through it,
 registered buffers alone and mixed with ordinary arrays, hierarchical over fake nodes whose
 intra-node stage uses the tier, and DistributedOptimizer's buckets in shared memory. Every rank
 prints "mpi_node: ok" when all its checks held; any failure exits 1 on that rank.
@@ -81,6 +82,21 @@ def check_reduce_scatter_allgather(comm, name):
               f"{name} allgather rows={rows}")
 
 
+def check_broadcast(comm, name):
+    for i, n in enumerate(sorted({0, 1, P + 1, 10007, 300001})):
+        for root in sorted({0, P - 1, P // 2}):
+            x = data(80 + i, n, np.float64) if RANK == root else np.full(n, np.nan)
+            ref = x.copy()
+            WORLD.Bcast(ref, root=root)
+            y = comm.broadcast(x, root=root, algorithm="node")
+            check(y is x and np.array_equal(x, ref), f"{name} broadcast n={n} root={root}")
+    g = comm.shared_array(70001, np.int32)  # a registered root
+    g[...] = np.arange(70001) if RANK == P - 1 else -1
+    comm.broadcast(g, root=P - 1, algorithm="node")
+    check(np.array_equal(g, np.arange(70001)), f"{name} broadcast registered")
+    comm.release(g)
+
+
 def check_registered(comm, name):
     for i, n in enumerate((0, 1, P + 1, 70001)):
         g = comm.shared_array(n, np.float64)
@@ -141,6 +157,8 @@ def main():
     check_allreduce(comms["chunk256"], "chunk256")
     check_reduce_scatter_allgather(comms["default"], "default")
     check_reduce_scatter_allgather(comms["chunk256"], "chunk256")
+    check_broadcast(comms["default"], "default")
+    check_broadcast(comms["chunk256"], "chunk256")
     check_registered(comms["default"], "default")
     check_registered(comms["chunk256"], "chunk256")
     check_hierarchical(comms["ls2"], "ls2")

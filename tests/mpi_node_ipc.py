@@ -9,12 +9,13 @@ its agreement and its bookkeeping, not a GPU (tests/test_gpu.py has the real one
 Cases, each on fresh memory, every rank checking its results against NumPy:
   - node.allreduce through StagedTransport and CudaAwareTransport over the fake, ranks on one
     "GPU" and on one each: sizes 0, 1, p-1, p+1, thousands, many chunks (node_chunk 256), in
-    and out of place, and a registered buffer; then every peer's allocation was opened
+    and out of place, and a registered buffer; node.broadcast from the first and the last
+    rank; then every peer's allocation was opened
     exactly once by every other rank, never its own, all closed and freed at close.
   - t.shared over a subset of the ranks (members), written by each and read by all.
   - one rank's GPU without peer access, one rank whose ipc_open fails, one whose alloc fails:
     t.shared raises NoSharedMemory on every rank, nothing stays open or allocated, and
-    node.allreduce still gives the right sums (the ring).
+    node.allreduce and node.broadcast still give the right results (the ring, the tree).
   - at the end no /dev/shm/<prefix>* is left.
 
 Exit status 0 only if every check held on every rank; rank 0 writes a JSON report (--report).
@@ -78,6 +79,16 @@ def allreduces(t, ws, label, seed=0):
     return True
 
 
+def broadcasts(t, ws, label, seed=0):
+    """node.broadcast of every size from the first and the last rank, checked on this rank."""
+    for n in sizes():
+        for root in sorted({0, P - 1}):
+            want = data(n, seed + 7 * n + root, root)
+            buf = want.copy() if RANK == root else np.full(n, np.nan)
+            node.broadcast(t, buf, root, ws)
+            check(np.array_equal(buf, want), f"{label}: broadcast n={n} root={root}")
+
+
 def make(dev, wrap, inner):
     return StagedTransport(inner, dev, chunk_bytes=100) if wrap == "staged" \
         else CudaAwareTransport(inner, dev)
@@ -109,6 +120,7 @@ def case_tier(args, wrap, one_gpu):
     for chunk in (256, 1 << 16):
         ws = Workspace(4 << 20, node_chunk=chunk, device=True)
         allreduces(t, ws, f"{label} node_chunk={chunk}")
+        broadcasts(t, ws, f"{label} node_chunk={chunk}")
         tier = node.tier_of(t, ws)
         check(tier is not None, f"{label}: no tier was made")
         if tier is not None and chunk == 256:  # a registered buffer: the peers read it in place
@@ -154,7 +166,7 @@ def case_members(args):
 
 def case_refused(args, what, bad):
     """Rank `bad`'s device fails (`what`): every rank gets NoSharedMemory from t.shared, and
-    the tier runs the ring with the right sums."""
+    the tier runs the ring (and the tree) with the right results."""
     label = f"refused ({what} on rank {bad})"
     inner = MPITransport(WORLD, timeout=60)
     settings = {"peer": {"peer_access": False}, "open": {"fail_open": True},
@@ -179,6 +191,7 @@ def case_refused(args, what, bad):
         check(len(dev.opened) == P - 1, f"{label}: opened {dev.opened}")
     ws = Workspace(4 << 20, node_chunk=256, device=True)
     allreduces(t, ws, label, seed=3)
+    broadcasts(t, ws, label, seed=3)
     check(node.tier_of(t, ws) is None, f"{label}: a tier was made")
     ws.close_resident()
     bookkeeping(dev, label + ", after the ring", expect_opens=False)

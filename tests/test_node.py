@@ -114,6 +114,53 @@ def test_reduce_scatter_uneven_counts_and_avg(p):
         assert np.allclose(avg, np.array_split(full / p, p)[r])
 
 
+STRUCT = np.dtype([("a", np.int8), ("b", np.float64)], align=True)  # 7 bytes of padding
+
+
+@pytest.mark.parametrize("chunk", [None, 256])
+@pytest.mark.parametrize("p", PS)
+def test_broadcast_every_root_any_dtype_bitwise(p, chunk):
+    """Every root, sizes 0 .. many chunks, any dtype (a struct's padding and a NaN's payload
+    arrive as they were: the tier moves bytes), and a root whose array is registered."""
+    shapes = [(0,), (1,), (p + 1,), (3, 5), (), (20011,)]
+    dtypes = [np.float64, np.int8, np.complex64, STRUCT, np.bool_, np.float16]
+
+    def fn(comm):
+        out = []
+        for root in range(p):
+            for i, shape in enumerate(shapes):
+                dtype = dtypes[(root + i) % len(dtypes)]
+                want = O.make_bytes(10 * root + i, root, shape, dtype)
+                # made twice, not copied: NumPy's copy of a struct drops its padding bytes
+                x = (O.make_bytes(10 * root + i, root, shape, dtype) if comm.rank == root
+                     else np.zeros(shape, dtype))
+                y = comm.broadcast(x, root=root, algorithm="node")
+                out.append(y is x and x.tobytes() == want.tobytes())
+            g = comm.shared_array(4099, np.int64)  # registered: the peers read it in place
+            g[...] = np.arange(4099) * (root + 1) if comm.rank == root else -1
+            comm.broadcast(g, root=root, algorithm="node")
+            out.append(np.array_equal(g, np.arange(4099) * (root + 1)))
+            comm.release(g)
+        return out
+
+    for r, ok in enumerate(run(p, fn, node_chunk=chunk)):
+        assert all(ok), (r, [i for i, good in enumerate(ok) if not good])
+
+
+def test_broadcast_mismatch_raises_on_every_rank_and_the_tier_goes_on():
+    def fn(comm):
+        got = []
+        for bad in ({"root": comm.rank == 1}, {"n": 5 + (comm.rank == 2)}):
+            x = np.zeros(bad.get("n", 5))
+            with pytest.raises(CollectiveMismatchError, match=r"broadcast \(node tier\)"):
+                comm.broadcast(x, root=int(bad.get("root", 0)), algorithm="node")
+            y = np.full(9, float(comm.rank))
+            got.append(comm.broadcast(y, root=2, algorithm="node").tolist() == [2.0] * 9)
+        return all(got)
+
+    assert all(run(3, fn, node_chunk=64))
+
+
 # -- registered buffers ------------------------------------------------------------------------
 @pytest.mark.parametrize("chunk", [None, 512])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 7, 16])

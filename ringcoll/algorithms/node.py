@@ -18,6 +18,12 @@ All-reduce, chunk s on rank r (the counters only grow, so a wait is `peer's coun
   3. gather: block q of peer q's slot into the output, for every peer q    wait REDUCED, post DONE
 Reduce-scatter is steps 0-2 with the result written to the caller's block only (DONE after 2);
 all-gather copies only block r in at step 1 and every other block out at step 3 (wait READY).
+Broadcast moves bytes (any dtype, padding included), cut into c chunks of at most a slot
+(256 KiB on the host: HOST_BCAST_PIECE):
+the root copies chunk s into its slot and posts READY; every other rank waits for the root's
+READY and copies the chunk out of the root's slot, then posts DONE (steps 0, 1 and 3 with one
+block, the root's). Double buffering lets the root copy chunk s + 1 in while the peers copy
+chunk s out.
 Every write is fenced (t.shared's fence: a memory barrier, or the stream synchronised on a
 GPU) before the counter that announces it, and every read follows the wait for it.
 
@@ -35,13 +41,17 @@ reduced, f = one counter handoff between ranks):
     all-reduce      3c f + 2 (p-1)/p n b + n/p b + (p-1)/p n g
     reduce-scatter   c f +   (p-1)/p n b         + (p-1)/p n g
     all-gather      2c f +   (p-1)/p n b + n/p b
+    broadcast       2c f + n b + n/c b              (the root's first chunk, then pipelined)
 against the ring's 2(p-1) a + 2(p-1)/p n b + (p-1)/p n g: the same bytes, but each moved by one
 copy of the rank that needs it (a message through MPI's shared memory is copied twice, and pays
 an MPI latency a per step) and 3 handoffs per chunk instead of 2(p-1) messages. Every block is
-reduced by one rank and then copied, so every rank ends bitwise identical.
+reduced by one rank and then copied, so every rank ends bitwise identical. The binomial
+tree's broadcast pays ceil(log2 p)(a + n b') with b' a message's two copies per byte, whole
+messages one round after another; the tier's peers copy the root's bytes once, all at once.
 
 Where the tier cannot run (ranks on several nodes, an MPI without shared windows, GPUs without
-peer access: NoSharedMemory when the tier is made), every call runs the ring instead.
+peer access: NoSharedMemory when the tier is made), every call runs the ring instead (the
+binomial tree for broadcast).
 """
 
 import zlib
@@ -50,10 +60,14 @@ import numpy as np
 
 from ..errors import CollectiveMismatchError
 from ..transport.base import NoSharedMemory
-from . import ring
+from . import ring, tree
 
 SLOTS = 2  # double buffering: chunk s + 1 copies in while peers still gather chunk s
 HOST_CHUNK = 1 << 20  # measured on 2 cores (MPICH): 256 KiB and 4 MiB were both slower
+# broadcast's piece on the host: with 1 MiB pieces the root's writes into lines the peer has
+# just read (2 slots x 1 MiB fill a 2 MiB L2) ran 3x slower than with 256 KiB (p = 2, 4 MiB:
+# 484 against 176 us); the device path uses the whole slot
+HOST_BCAST_PIECE = 256 << 10
 DEVICE_CHUNK = 16 << 20
 MAX_REGISTERED = 64  # live registered buffers per tier (each an MPI window or IPC mapping);
 # more are ordinary arrays: MPI libraries run out of windows (context ids) in the thousands
@@ -64,7 +78,7 @@ DESC, DESCRIBE = 3, 3  # per slot: header, where (0: slot, i + 1: registration i
 WORDS = DESC + SLOTS * DESCRIBE
 
 ALLREDUCE, REDUCE_SCATTER, ALLGATHER = "allreduce", "reduce_scatter", "allgather"
-_KINDS = (ALLREDUCE, REDUCE_SCATTER, ALLGATHER)
+BROADCAST = "broadcast"
 
 
 class Tier:
@@ -194,6 +208,17 @@ def allgather(t, buf, part, ws):
     _run(tier, ALLGATHER, buf, buf, part, None, ws)
 
 
+def broadcast(t, buf, root, ws):
+    """buf on every rank = root's buf (in place; buf flat and contiguous, any dtype)."""
+    if t.size == 1:
+        return
+    tier = tier_of(t, ws)
+    if tier is None:
+        return tree.broadcast(t, buf, root, ws)
+    piece = tier.chunk if ws.device else min(tier.chunk, HOST_BCAST_PIECE)
+    _broadcast(tier, buf.view(np.uint8), root, piece)
+
+
 # -- the schedule ------------------------------------------------------------------------------
 def chunks(part, itemsize, chunk, p):
     """[[(start, count, slot offset) of block q's piece, for each q] for each chunk]: every
@@ -214,9 +239,19 @@ def chunks(part, itemsize, chunk, p):
     return out
 
 
-def _header(kind, n, dtype, op, nchunks, part):
-    text = f"{kind}|{n}|{np.dtype(dtype).str}|{op}|{nchunks}|{part.counts if kind != ALLREDUCE else ''}"
+def _header(kind, n, dtype, op, nchunks, split=()):
+    """A call's fingerprint; op: the reduction (broadcast: the root); split: the block counts
+    where they are the caller's choice (reduce-scatter, all-gather)."""
+    text = f"{kind}|{n}|{np.dtype(dtype).str}|{op}|{nchunks}|{list(split)}"
     return zlib.crc32(text.encode()) + 1  # never 0: a peer that wrote nothing yet differs
+
+
+def _describe(flags, i, header, where=0, offset=0):
+    """Post this rank's descriptor words of slot i: the call's header, where its chunk lies."""
+    base = DESC + i * DESCRIBE
+    flags.post(base, header)
+    flags.post(base + 1, where)
+    flags.post(base + 2, offset)
 
 
 def _run(tier, kind, src, dst, part, combine, ws):
@@ -228,7 +263,7 @@ def _run(tier, kind, src, dst, part, combine, ws):
                      lambda: chunks(part, item, tier.chunk, p))
     op = getattr(combine, "op", None) or getattr(getattr(combine, "ufunc", None), "__name__", "")
     header = _header(kind, dst.size if kind != REDUCE_SCATTER else src.size, dtype, op,
-                     len(plan), part)
+                     len(plan), part.counts if kind != ALLREDUCE else ())
     # where my input lies: registered (in place only: the result goes where the input was)
     where, offset = tier.locate(src) if kind == ALLREDUCE and src is dst else (0, 0)
     many = getattr(combine, "many", None)
@@ -237,10 +272,7 @@ def _run(tier, kind, src, dst, part, combine, ws):
         i = s % SLOTS
         if s >= SLOTS:  # 0. my slot i is free once every peer is done with chunk s - SLOTS
             flags.wait_all(DONE, s - SLOTS + 1)
-        base = DESC + i * DESCRIBE
-        flags.post(base, header)
-        flags.post(base + 1, where)
-        flags.post(base + 2, offset)
+        _describe(flags, i, header, where, offset)
         mine = slots[r][i]
         start_r, count_r, off_r = row[r]
         if kind == ALLGATHER:  # 1. copy in: my own block only
@@ -291,6 +323,42 @@ def _run(tier, kind, src, dst, part, combine, ws):
         s += 1
     tier.seq = s
     if where:  # the peers read my registered array until their DONE: it is the caller's next
+        flags.wait_all(DONE, s)
+
+
+def _broadcast(tier, data, root, piece):
+    """One broadcast of the bytes `data` through the tier, `piece` bytes (<= the slot) a
+    chunk (see the module docstring)."""
+    p, r = tier.size, tier.rank
+    flags, fence = tier.flags, tier.fence
+    n = data.size
+    k = max(1, -(-n // piece))  # at least one chunk, so that even 0 bytes meet
+    header = _header(BROADCAST, n, np.uint8, f"root {root}", k)
+    where, offset = tier.locate(data) if r == root else (0, 0)
+    s = tier.seq
+    for c in range(k):
+        i = s % SLOTS
+        lo, hi = n * c // k, n * (c + 1) // k
+        if s >= SLOTS:  # 0. slot i is free (and so are the descriptors every peer reads)
+            flags.wait_all(DONE, s - SLOTS + 1)
+        _describe(flags, i, header, where, offset)
+        if r == root and where == 0:  # 1. copy in
+            tier.slots[r][i][:hi - lo] = data[lo:hi]
+        fence()
+        flags.post(READY, s + 1)
+        if c == 0:  # every rank's header, so that a mismatch raises on every rank alike
+            flags.wait_all(READY, s + 1)
+            fence()
+            _check_headers(tier, i, header, BROADCAST)
+        if r != root:  # 3. copy out of the root's slot (or its registered array)
+            flags.wait(root, READY, s + 1)
+            fence()
+            data[lo:hi] = _input(tier, root, i, 0, lo, hi - lo, np.uint8)
+            fence()
+        flags.post(DONE, s + 1)
+        s += 1
+    tier.seq = s
+    if where:  # the peers read my registered array until their DONE
         flags.wait_all(DONE, s)
 
 
@@ -353,5 +421,5 @@ def _address(x):
     return x.data.ptr
 
 
-__all__ = ["Tier", "allgather", "allreduce", "available", "chunks", "existing", "reduce_scatter",
-           "tier_of"]
+__all__ = ["Tier", "allgather", "allreduce", "available", "broadcast", "chunks", "existing",
+           "reduce_scatter", "tier_of"]

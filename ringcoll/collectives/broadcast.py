@@ -1,20 +1,22 @@
 """Broadcast: copy root's x into x on every rank, in place.
 
 The ringcoll algorithm is the binomial tree (algorithms/tree.py: ceil(log2 p) rounds, each
-rank receiving once, ceil(log2 p)(a + n b) on the root's critical path); "native" is
-MPI_Bcast.
+rank receiving once, ceil(log2 p)(a + n b) on the root's critical path); "node" the node
+tier's (algorithms/node.py: the root copies its bytes into shared memory chunk by chunk and
+every other rank copies them out, pipelined; the default for CuPy arrays on one node);
+"native" is MPI_Bcast.
 """
 
 import numpy as np
 
-from ..algorithms import native, tree
+from ..algorithms import native, node, tree
 from ..arrays import check_movable, flat_view, is_device, writeable
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..runner import Plan
 from . import _args
 
 NAME = "broadcast"
-ALGORITHMS = ("tree", "native")
+ALGORITHMS = ("tree", "node", "native")
 
 
 def plan(g, ctx, x, root, algorithm):
@@ -27,7 +29,7 @@ def plan(g, ctx, x, root, algorithm):
                                f"array, got {type(x).__name__}")
     check_movable(x.dtype, ctx)  # any fixed-size dtype: broadcast only copies bytes
     _args.check_root(g, root, ctx)
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
     buf = flat_view(x)
     if buf is None:
         raise InvalidArgumentError(f"{ctx}x is not contiguous; broadcast into "
@@ -41,7 +43,7 @@ def plan(g, ctx, x, root, algorithm):
         if name == "native":
             side.t.native_bcast(buf, root)
         else:
-            tree.broadcast(side.t, buf, root, side.ws)
+            (node if name == "node" else tree).broadcast(side.t, buf, root, side.ws)
         return x
 
     return Plan(NAME, name, _args.fields(g, side, x=x, root=int(root)), _args.on_side(run, side))
