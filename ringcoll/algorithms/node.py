@@ -14,7 +14,7 @@ All-reduce, chunk s on rank r (the counters only grow, so a wait is `peer's coun
   1. copy in: the pieces of every block but r into my slot                 post READY
   2. reduce: block r = my own input's piece (op) block r of every peer's slot, in one pass
      (NumPy: p - 1 ufunc calls over n/p; CuPy: one kernel reading p inputs), into block r
-     of my slot (for the peers) and of the output                          wait READY, post REDUCED
+     of the output, then copied into my slot for the peers                wait READY, post REDUCED
   3. gather: block q of peer q's slot into the output, for every peer q    wait REDUCED, post DONE
 Reduce-scatter is steps 0-2 with the result written to the caller's block only (DONE after 2);
 all-gather copies only block r in at step 1 and every other block out at step 3 (wait READY).
@@ -28,8 +28,8 @@ Every write is fenced (t.shared's fence: a memory barrier, or the stream synchro
 GPU) before the counter that announces it, and every read follows the wait for it.
 
 Registered buffers (Tier.register: arrays in the tier's shared memory): an in-place all-reduce
-of one skips step 1, the peers read its blocks where they lie, and its result goes into its own
-block r, where the peers read it at step 3; the rank then waits for every peer's DONE before it
+of one skips step 1, the peers read its blocks where they lie, and its result is copied into
+its own block r, where the peers read it at step 3; the rank then waits for every peer's DONE before it
 returns, since its array is the caller's again. Each rank says where its chunk lies (slot, or
 registration and offset) in its descriptor words, so ranks with and without registered buffers
 meet in one call. Before its first READY every rank also writes a header (collective, count,
@@ -294,21 +294,24 @@ def _run(tier, kind, src, dst, part, combine, ws):
                     inputs.append(_input(tier, q, i, off_r, start_r, count_r, dtype))
             if kind == REDUCE_SCATTER:
                 target = dst[start_r - part.starts[r]:][:count_r]
-            elif where:
-                target = inputs[0]  # registered: in place, where the peers read it
+            elif where:  # registered: the result goes where the peers read it, inputs[0]
+                target = ws.scratch("node.block", count_r, dtype)
             else:
-                target = _view(mine, off_r, count_r, dtype)
+                target = dst[start_r:start_r + count_r]
             if count_r:
+                # into memory of this rank's own, then copied to where the peers read it:
+                # the kernel's stores into lines a peer has just read each wait for that
+                # core (3x slower than the copy on 2 vCPUs that share no cache)
                 _reduce(combine, many, inputs, target)
+                if kind == ALLREDUCE:
+                    (inputs[0] if where else _view(mine, off_r, count_r, dtype))[...] = target
             fence()
         if kind == REDUCE_SCATTER:
             flags.post(DONE, s + 1)
             s += 1
             continue
         if kind == ALLREDUCE:
-            flags.post(REDUCED, s + 1)  # the peers may gather my block now, while I
-            if not where and count_r:  # copy it into my own output (off the critical path)
-                dst[start_r:start_r + count_r] = target
+            flags.post(REDUCED, s + 1)
         stage = READY if kind == ALLGATHER else REDUCED
         for q in range(p):  # 3. gather every peer's block
             if q == r:
