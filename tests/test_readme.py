@@ -1,6 +1,7 @@
 """The README's mpi4py drop-in examples and its PyTorch example run as they stand, under
-mpiexec at 1 and 3 ranks; so do docs/checkpoints.md's examples and docs/torch.md's
-re-partitioning example, at the rank counts their first lines name.
+mpiexec at 1 and 3 ranks; so do docs/checkpoints.md's examples, docs/torch.md's
+re-partitioning example and docs/node_tier.md's example, at the rank counts their first lines
+name.
 
 Every ```python block of the "mpi4py code" section that asserts something is written to a file
 and launched; each must exit 0 (a failed assert on any rank fails the launch).
@@ -99,3 +100,13 @@ def test_torch_page_example_runs(tmp_path, mpi_timings):
                                   timeout=120, cwd=tmp_path)
     mpi_timings[f"docs/torch.md example -n {nprocs}"] = secs
     assert rc == 0, f"docs/torch.md's re-partitioning example at -n {nprocs}:\n{out[-3000:]}"
+
+
+def test_node_tier_page_example_runs(tmp_path, mpi_timings):
+    ((nprocs, code),) = doc_examples("node_tier.md")
+    script = tmp_path / "example.py"
+    script.write_text(code)
+    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
+                                  timeout=120, cwd=tmp_path)
+    mpi_timings[f"docs/node_tier.md example -n {nprocs}"] = secs
+    assert rc == 0, f"docs/node_tier.md's example at -n {nprocs}:\n{out[-3000:]}"
