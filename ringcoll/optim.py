@@ -1,15 +1,23 @@
-"""Optimizers for NumPy parameters: SGD (with momentum / Nesterov) and Adam / AdamW.
+"""Optimizers for NumPy and CuPy parameters: SGD (with momentum / Nesterov) and Adam / AdamW.
 
 NumPy has no optimizer of its own, and the data-parallel wrapper needs one whose state it can
 checkpoint and whose learning rate a schedule can change. These follow torch.optim's update
 rules operation for operation, so a model trained here and one trained with torch on the same
 gradients agree to rounding.
 
-Parameters are a dict ``name -> np.ndarray`` (float16, bfloat16, float32 or float64, any shape)
+Parameters are a dict ``name -> array`` (float16, bfloat16, float32 or float64, any shape)
 updated *in place*: the arrays the caller passed are the ones that change, so views into a flat
 buffer (the layout a fused all-reduce wants) stay views. Gradients are a dict of the same names;
 a name left out is not updated that step, exactly as torch skips a parameter whose ``.grad`` is
 None.
+
+One code path serves both memories: each parameter's update runs in its own array module
+(``xp``: NumPy for host arrays, CuPy for GPU arrays, found per parameter once per step), with
+the same ufuncs in the same order, so a CuPy parameter gets NumPy's update up to the GPU's
+rounding of the same operations. A gradient must live where its parameter does; its state and
+scratch are made there too. tests/test_optim.py runs its cases on NumPy and on
+tests/_fake_cupy.py (a CPU stand-in that refuses NumPy functions and mixed arrays, as CuPy
+does), bitwise equal; scripts/gpu_check.sh runs them on a real GPU.
 
     opt = Adam(model_params, lr=1e-3)
     for batch in data:
@@ -17,7 +25,7 @@ None.
         comm.allreduce(flat_grads, op="avg")
         opt.step(grads)
     opt.hyper["lr"] = 1e-4               # schedules just write the dict
-    ckpt = opt.state_dict()              # dicts, lists, str, int, float, bool, np.ndarray only
+    ckpt = opt.state_dict()              # dicts, lists, str, int, float, bool, arrays only
 
 Hot path: after the first step of a parameter no array is allocated for float32/float64
 parameters whose gradients have the parameter's dtype; every update is a NumPy ufunc writing
@@ -30,7 +38,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .arrays import HALF_TYPES
+from .arrays import HALF_TYPES, array_module, is_device, writeable
 from .errors import InvalidArgumentError, InvalidTypeError
 
 #: float dtypes a parameter may have; the half types compute in float32.
@@ -39,6 +47,22 @@ _FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float64)) + HALF_TYPES
 
 def _is_float(dtype):
     return dtype in _FLOAT_TYPES
+
+
+def _is_array(x):
+    """A NumPy or CuPy array (what a parameter, gradient or state entry may be)."""
+    return isinstance(x, np.ndarray) or is_device(x)
+
+
+def _where(x):
+    return "on the GPU (CuPy)" if is_device(x) else "on the host (NumPy)"
+
+
+def _to_module(xp, v):
+    """v (NumPy or CuPy) as an array of module xp: a copy across host and device, else v."""
+    if is_device(v) == (xp is not np):
+        return v
+    return xp.asarray(v) if xp is not np else array_module(v).asnumpy(v)
 
 
 def _compute_dtype(dtype):
@@ -72,14 +96,14 @@ class Optimizer:
     """Base class: parameter bookkeeping, gradient checks, state_dict / load_state_dict.
 
     Args:
-        params (dict[str, np.ndarray]): the parameters, updated in place by :meth:`step`.
-            Kept in insertion order as ``self.params`` (a new dict holding the same arrays).
+        params (dict[str, array]): the parameters (NumPy or CuPy arrays), updated in place by
+            :meth:`step`. Kept in insertion order as ``self.params`` (a new dict holding the same arrays).
         **hyper: the optimizer's hyper-parameters, kept as the mutable dict ``self.hyper``.
             They are re-read and re-checked at every step, so ``opt.hyper["lr"] = 0.01``
             between steps is how a learning-rate schedule works.
 
     Attributes:
-        params (dict[str, np.ndarray]): name -> parameter (the caller's arrays).
+        params (dict[str, array]): name -> parameter (the caller's arrays).
         hyper (dict): hyper-parameters, mutable between steps.
         state (dict[str, dict]): name -> per-parameter state (empty until its first step).
 
@@ -95,7 +119,7 @@ class Optimizer:
         kind = type(self).__name__
         where = f"ringcoll {kind}: "
         if not isinstance(params, Mapping):
-            raise InvalidTypeError(f"{where}params must be a dict name -> np.ndarray, got "
+            raise InvalidTypeError(f"{where}params must be a dict name -> array, got "
                                    f"{type(params).__name__}; for a list use "
                                    "{str(i): p for i, p in enumerate(params)}")
         if not params:
@@ -105,14 +129,14 @@ class Optimizer:
             if not isinstance(name, str):
                 raise InvalidTypeError(f"{where}parameter name {name!r} is not a str; names "
                                        "are state_dict keys and must survive a JSON file")
-            if not isinstance(p, np.ndarray):
+            if not _is_array(p):
                 raise InvalidTypeError(f"{where}parameter {name!r} is a {type(p).__name__}, "
-                                       "not a np.ndarray; the optimizer updates arrays in "
-                                       "place, so pass the array itself")
+                                       "not a NumPy or CuPy array; the optimizer updates "
+                                       "arrays in place, so pass the array itself")
             if not _is_float(p.dtype):
                 raise InvalidTypeError(f"{where}parameter {name!r} has dtype {p.dtype}; use "
                                        "float16, bfloat16, float32 or float64")
-            if not p.flags.writeable:
+            if not writeable(p):
                 raise InvalidArgumentError(f"{where}parameter {name!r} is read-only; pass a "
                                            "writeable array (np.array(p) makes a copy)")
             if id(p) in seen:
@@ -156,8 +180,9 @@ class Optimizer:
         """Update every parameter named in ``grads`` in place, one step of the update rule.
 
         Args:
-            grads (dict[str, np.ndarray]): name -> gradient, shaped like the parameter, any
-                float dtype (cast to the parameter's compute dtype if it differs). Names left
+            grads (dict[str, array]): name -> gradient, shaped like the parameter and in its
+                memory (NumPy for a NumPy parameter, CuPy on the parameter's GPU), any float
+                dtype (cast to the parameter's compute dtype if it differs). Names left
                 out are not updated and their state does not change. The gradients themselves
                 are never modified.
 
@@ -170,7 +195,7 @@ class Optimizer:
         where = f"ringcoll {type(self).__name__}.step: "
         h = self._checked_hyper(self.hyper, where)
         if not isinstance(grads, Mapping):
-            raise InvalidTypeError(f"{where}grads must be a dict name -> np.ndarray, got "
+            raise InvalidTypeError(f"{where}grads must be a dict name -> array, got "
                                    f"{type(grads).__name__}")
         todo = []
         for name, g in grads.items():
@@ -178,9 +203,15 @@ class Optimizer:
             if p is None:
                 raise InvalidArgumentError(f"{where}gradient {name!r} names no parameter; the "
                                            f"parameters are {_names(self.params)}")
-            if not isinstance(g, (np.ndarray, np.generic)):
+            if not (_is_array(g) or isinstance(g, np.generic)):
                 raise InvalidTypeError(f"{where}gradient {name!r} is a {type(g).__name__}; "
-                                       "pass a NumPy array (np.asarray(g))")
+                                       "pass an array like the parameter (np.asarray(g), or "
+                                       "cupy.asarray(g) for a GPU parameter)")
+            if is_device(g) != is_device(p):
+                raise InvalidTypeError(f"{where}gradient {name!r} is {_where(g)} but its "
+                                       f"parameter is {_where(p)}; move it there first "
+                                       "(cupy.asarray(g) or cupy.asnumpy(g)): the update "
+                                       "runs where the parameter lives")
             if not _is_float(g.dtype):
                 raise InvalidTypeError(f"{where}gradient {name!r} has dtype {g.dtype}; use a "
                                        "float dtype (float16, bfloat16, float32, float64)")
@@ -189,28 +220,30 @@ class Optimizer:
                                            f"the parameter has shape {p.shape}")
             todo.append((name, p, g))
         for name, p, g in todo:
+            xp = array_module(p)
             c = _compute_dtype(p.dtype)
             work = p
             if p.dtype != c:
                 work = self._buffer(name, "param", p)
-                np.copyto(work, p, casting="unsafe")
+                xp.copyto(work, p, casting="unsafe")
             if g.dtype != c:
                 cast = self._buffer(name, "grad", p)
-                np.copyto(cast, g, casting="unsafe")
+                xp.copyto(cast, g, casting="unsafe")
                 g = cast
-            self._update(name, work, g, h)
+            self._update(xp, name, work, g, h)
             if work is not p:
-                np.copyto(p, work, casting="unsafe")
+                xp.copyto(p, work, casting="unsafe")
 
     def _buffer(self, name, role, p):
-        """Scratch array `role` for parameter `name`, in its compute dtype, made once."""
+        """Scratch array `role` for parameter `name`, in its compute dtype and memory, made
+        once."""
         scratch = self._scratch[name]
         buf = scratch.get(role)
         if buf is None:
-            buf = scratch[role] = np.empty(p.shape, _compute_dtype(p.dtype))
+            buf = scratch[role] = array_module(p).empty(p.shape, _compute_dtype(p.dtype))
         return buf
 
-    def _update(self, name, p, g, h):  # pragma: no cover - subclasses override
+    def _update(self, xp, name, p, g, h):  # pragma: no cover - subclasses override
         raise NotImplementedError
 
     # -- checkpoints ------------------------------------------------------------------------
@@ -220,15 +253,17 @@ class Optimizer:
 
         Returns:
             dict: ``{"type": "SGD" | "Adam", "hyper": {name: float | bool | [float, ...]},
-            "state": {param name: {key: np.ndarray | int}}}``. Every parameter has an entry
+            "state": {param name: {key: array | int}}}``. Every parameter has an entry
             (``{}`` until its first step). Arrays are copies in the compute dtype (float32 for
-            float16/bfloat16 parameters); nothing else but dict, list, str, int, float and
-            bool appears, so ``np.savez`` for the arrays plus JSON for the rest round-trips it.
+            float16/bfloat16 parameters), in the parameter's memory (CuPy arrays for GPU
+            parameters, as torch's state_dict keeps CUDA tensors); nothing else but dict,
+            list, str, int, float and bool appears, so ``np.savez`` for the arrays (brought to
+            the host) plus JSON for the rest round-trips it.
         """
         where = f"ringcoll {type(self).__name__}.state_dict: "
         hyper = {k: list(v) if isinstance(v, tuple) else v
                  for k, v in self._checked_hyper(self.hyper, where).items()}
-        state = {name: {k: v.copy() if isinstance(v, np.ndarray) else int(v)
+        state = {name: {k: v.copy() if _is_array(v) else int(v)
                         for k, v in st.items()}
                  for name, st in self.state.items()}
         return {"type": type(self).__name__, "hyper": hyper, "state": state}
@@ -238,8 +273,10 @@ class Optimizer:
 
         Everything is checked before anything changes: the type, the hyper-parameter names and
         ranges, that the state names are exactly this optimizer's parameter names, and each
-        array's shape. Arrays are copied (cast to the compute dtype), never aliased, so the
-        caller may reuse or mutate the dict afterwards.
+        array's shape. Arrays are copied (cast to the compute dtype) into the parameter's
+        memory, never aliased, so the caller may reuse or mutate the dict afterwards; a
+        checkpoint read from disk (NumPy) loads onto GPU parameters, and one saved from the GPU
+        onto host parameters.
 
         Raises:
             InvalidArgumentError: a different optimizer type, missing or unknown names, a wrong
@@ -250,16 +287,19 @@ class Optimizer:
         # Nothing raised: now change the optimizer.
         self.hyper = hyper
         for name, st in loaded.items():
+            p = self.params[name]
+            xp = array_module(p)
             old, new = self.state[name], {}
             for k, v in st.items():
-                if not isinstance(v, np.ndarray):
+                if not _is_array(v):
                     new[k] = v
-                elif isinstance(old.get(k), np.ndarray):
-                    np.copyto(old[k], v, casting="unsafe")  # keep the buffer, copy the values
+                    continue
+                v = _to_module(xp, v)
+                if _is_array(old.get(k)):
+                    xp.copyto(old[k], v, casting="unsafe")  # keep the buffer, copy the values
                     new[k] = old[k]
                 else:
-                    new[k] = np.array(v, dtype=_compute_dtype(self.params[name].dtype),
-                                      copy=True)
+                    new[k] = xp.array(v, dtype=_compute_dtype(p.dtype), copy=True)
             self.state[name] = new
 
     def check_state_dict(self, state_dict):
@@ -319,9 +359,9 @@ class Optimizer:
                                                "saved state has taken at least one step")
                 out[k] = int(v)
                 continue
-            if not isinstance(v, np.ndarray):
+            if not _is_array(v):
                 raise InvalidTypeError(f"{where}state {name!r}/{k!r} is a {type(v).__name__}, "
-                                       "not a np.ndarray")
+                                       "not a NumPy or CuPy array")
             if not _is_float(v.dtype):
                 raise InvalidTypeError(f"{where}state {name!r}/{k!r} has dtype {v.dtype}; "
                                        "expected a float array")
@@ -350,7 +390,7 @@ class SGD(Optimizer):
     rounded back to the parameter each step).
 
     Args:
-        params (dict[str, np.ndarray]): the parameters, updated in place.
+        params (dict[str, array]): the parameters (NumPy or CuPy), updated in place.
         lr (float): learning rate, >= 0.
         momentum (float): momentum factor, >= 0. Default 0 (plain SGD, no state).
         dampening (float): dampening of the gradient entering the momentum buffer. Default 0.
@@ -397,33 +437,33 @@ class SGD(Optimizer):
                                        "change them")
         return h
 
-    def _update(self, name, p, g, h):
+    def _update(self, xp, name, p, g, h):
         lr, momentum, dampening = h["lr"], h["momentum"], h["dampening"]
         wd = h["weight_decay"]
         tmp = self._buffer(name, "tmp", p)
         if wd != 0.0:
             # g + wd * p goes to scratch: the caller's gradient is never written.
-            np.multiply(p, wd, out=tmp)
-            g = np.add(g, tmp, out=self._buffer(name, "grad", p))
+            xp.multiply(p, wd, out=tmp)
+            g = xp.add(g, tmp, out=self._buffer(name, "grad", p))
         if momentum != 0.0:
             st = self.state[name]
             buf = st.get("momentum_buffer")
             if buf is None:
-                buf = st["momentum_buffer"] = np.array(g, dtype=_compute_dtype(p.dtype))
+                buf = st["momentum_buffer"] = xp.array(g, dtype=_compute_dtype(p.dtype))
             else:
-                np.multiply(buf, momentum, out=buf)
+                xp.multiply(buf, momentum, out=buf)
                 if dampening != 0.0:
-                    np.multiply(g, 1.0 - dampening, out=tmp)
-                    np.add(buf, tmp, out=buf)
+                    xp.multiply(g, 1.0 - dampening, out=tmp)
+                    xp.add(buf, tmp, out=buf)
                 else:
-                    np.add(buf, g, out=buf)
+                    xp.add(buf, g, out=buf)
             if h["nesterov"]:
-                np.multiply(buf, momentum, out=tmp)
-                g = np.add(g, tmp, out=self._buffer(name, "grad", p))
+                xp.multiply(buf, momentum, out=tmp)
+                g = xp.add(g, tmp, out=self._buffer(name, "grad", p))
             else:
                 g = buf
-        np.multiply(g, lr, out=tmp)
-        np.subtract(p, tmp, out=p)
+        xp.multiply(g, lr, out=tmp)
+        xp.subtract(p, tmp, out=p)
 
 
 class Adam(Optimizer):
@@ -444,7 +484,7 @@ class Adam(Optimizer):
     the parameter once per step (v would underflow in float16: g^2 below 6e-8 is zero).
 
     Args:
-        params (dict[str, np.ndarray]): the parameters, updated in place.
+        params (dict[str, array]): the parameters (NumPy or CuPy), updated in place.
         lr (float): learning rate, >= 0. Default 1e-3.
         betas (tuple[float, float]): decay rates of m and v, each in [0, 1).
         eps (float): added to the denominator, >= 0. Default 1e-8.
@@ -492,33 +532,33 @@ class Adam(Optimizer):
                                            "[0, 1)")
         return h
 
-    def _update(self, name, p, g, h):
+    def _update(self, xp, name, p, g, h):
         lr, (b1, b2), eps, wd = h["lr"], h["betas"], h["eps"], h["weight_decay"]
         st = self.state[name]
         if not st:
             c = _compute_dtype(p.dtype)
-            st.update(step=0, exp_avg=np.zeros(p.shape, c), exp_avg_sq=np.zeros(p.shape, c))
+            st.update(step=0, exp_avg=xp.zeros(p.shape, c), exp_avg_sq=xp.zeros(p.shape, c))
         st["step"] += 1
         t, m, v = st["step"], st["exp_avg"], st["exp_avg_sq"]
         tmp = self._buffer(name, "tmp", p)
         if wd != 0.0:
             if h["decoupled"]:
-                np.multiply(p, 1.0 - lr * wd, out=p)
+                xp.multiply(p, 1.0 - lr * wd, out=p)
             else:
-                np.multiply(p, wd, out=tmp)
-                g = np.add(g, tmp, out=self._buffer(name, "grad", p))
-        np.subtract(g, m, out=tmp)
-        np.multiply(tmp, 1.0 - b1, out=tmp)
-        np.add(m, tmp, out=m)
-        np.multiply(v, b2, out=v)
+                xp.multiply(p, wd, out=tmp)
+                g = xp.add(g, tmp, out=self._buffer(name, "grad", p))
+        xp.subtract(g, m, out=tmp)
+        xp.multiply(tmp, 1.0 - b1, out=tmp)
+        xp.add(m, tmp, out=m)
+        xp.multiply(v, b2, out=v)
         # (1 - b2) * g * g, left to right as torch's addcmul evaluates it.
-        np.multiply(g, 1.0 - b2, out=tmp)
-        np.multiply(tmp, g, out=tmp)
-        np.add(v, tmp, out=v)
+        xp.multiply(g, 1.0 - b2, out=tmp)
+        xp.multiply(tmp, g, out=tmp)
+        xp.add(v, tmp, out=v)
         step_size = lr / (1.0 - b1 ** t)
-        np.sqrt(v, out=tmp)
-        np.divide(tmp, math.sqrt(1.0 - b2 ** t), out=tmp)
-        np.add(tmp, eps, out=tmp)  # tmp = denominator
-        np.divide(m, tmp, out=tmp)
-        np.multiply(tmp, step_size, out=tmp)
-        np.subtract(p, tmp, out=p)
+        xp.sqrt(v, out=tmp)
+        xp.divide(tmp, math.sqrt(1.0 - b2 ** t), out=tmp)
+        xp.add(tmp, eps, out=tmp)  # tmp = denominator
+        xp.divide(m, tmp, out=tmp)
+        xp.multiply(tmp, step_size, out=tmp)
+        xp.subtract(p, tmp, out=p)

@@ -10,6 +10,7 @@ import doctest
 import io
 import json
 import math
+import sys
 import tracemalloc
 
 import numpy as np
@@ -18,6 +19,8 @@ import pytest
 from ringcoll import optim
 from ringcoll.errors import InvalidArgumentError, InvalidTypeError
 from ringcoll.optim import SGD, Adam
+
+import _fake_cupy
 
 SHAPES = {"scalar": (), "vector": (5,), "matrix": (3, 4)}
 STEPS = 4
@@ -384,7 +387,7 @@ def test_load_state_dict_rejects_mismatches_and_changes_nothing():
         (_bad(good, ["state", "vector", "step"], 0), InvalidArgumentError, "'step' is 0"),
         (_bad(good, ["state", "vector", "step"], 1.5), InvalidTypeError, "must be an int"),
         (_bad(good, ["state", "vector", "exp_avg"], [0.0] * 5), InvalidTypeError,
-         "not a np.ndarray"),
+         "not a NumPy or CuPy array"),
         (_bad(good, ["state", "vector", "exp_avg"], np.zeros(5, int)), InvalidTypeError,
          "float array"),
         (_bad(good, ["hyper", "lr"], -1.0), InvalidArgumentError, "lr = -1.0"),
@@ -458,7 +461,7 @@ def test_step_rejects_bad_gradients_before_changing_anything():
     (lambda p: Adam({}), InvalidArgumentError, "empty"),
     (lambda p: Adam(list(p.values())), InvalidTypeError, "dict"),
     (lambda p: Adam({"w": np.zeros(3, np.int32)}), InvalidTypeError, "int32"),
-    (lambda p: Adam({"w": [0.0, 1.0]}), InvalidTypeError, "not a np.ndarray"),
+    (lambda p: Adam({"w": [0.0, 1.0]}), InvalidTypeError, "not a NumPy or CuPy array"),
     (lambda p: Adam({1: p["vector"]}), InvalidTypeError, "not a str"),
     (lambda p: Adam({"a": p["vector"], "b": p["vector"]}), InvalidArgumentError,
      "same array"),
@@ -479,3 +482,100 @@ def test_read_only_parameter_is_rejected():
 def test_docstring_examples():
     result = doctest.testmod(optim)
     assert result.attempted > 0 and result.failed == 0
+
+
+# -- the same optimizers on CuPy arrays (tests/_fake_cupy.py stands in on the CPU) ----------
+@pytest.fixture
+def cp(monkeypatch):
+    """The fake CuPy as sys.modules['cupy']: ringcoll sees its arrays as device arrays."""
+    fake = _fake_cupy.module()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return fake
+
+
+def to_device(cp, arrays):
+    return {k: cp.asarray(v) for k, v in arrays.items()}
+
+
+CASES = [(SGD, h) for h in SGD_CASES] + [(Adam, h) for h in ADAM_CASES]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("opt_cls,hyper", CASES, ids=str)
+def test_device_parameters_update_bitwise_like_numpy(cp, opt_cls, hyper, dtype):
+    """One code path: the device run does the NumPy run's operations in its order, so on the
+    fake (NumPy's kernels underneath) parameters and state agree bit for bit, and every array
+    the optimizer made lives on the device."""
+    params, grads = make_problem(dtype)
+    dev = to_device(cp, params)
+    host_opt = run(opt_cls, hyper, params, grads)
+    dev_opt = run(opt_cls, hyper, dev, [to_device(cp, g) for g in grads])
+    for k, p in params.items():
+        assert type(dev[k]) is cp.ndarray and dev[k].dtype == dtype
+        assert dev[k].get().tobytes() == p.tobytes(), k
+        assert set(dev_opt.state[k]) == set(host_opt.state[k])
+        for key, v in dev_opt.state[k].items():
+            want = host_opt.state[k][key]
+            if key == "step":
+                assert v == want
+            else:
+                assert type(v) is cp.ndarray and v.get().tobytes() == want.tobytes(), (k, key)
+        for buf in dev_opt._scratch[k].values():
+            assert type(buf) is cp.ndarray
+
+
+def test_device_state_dict_stays_on_the_device_and_loads_across_memories(cp):
+    params, grads = make_problem(np.float32)
+    dev_grads = [to_device(cp, g) for g in grads]
+    opt = run(Adam, dict(lr=0.01), to_device(cp, params), dev_grads[:2])
+    sd = opt.state_dict()
+    arrays = [v for st in sd["state"].values() for k, v in st.items() if k != "step"]
+    assert arrays and all(type(v) is cp.ndarray for v in arrays)
+    # as a checkpoint file holds it: host arrays; loaded onto fresh device parameters ...
+    on_disk = {**sd, "state": {n: {k: v if k == "step" else cp.asnumpy(v) for k, v in st.items()}
+                               for n, st in sd["state"].items()}}
+    resumed = Adam(to_device(cp, {k: opt.params[k].get() for k in params}), lr=0.01)
+    resumed.load_state_dict(on_disk)
+    # ... and the device state dict itself onto host parameters
+    host = Adam({k: opt.params[k].get() for k in params}, lr=0.01)
+    host.load_state_dict(sd)
+    for k in params:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert type(resumed.state[k][key]) is cp.ndarray
+            assert type(host.state[k][key]) is np.ndarray
+    for g in dev_grads[2:]:  # all three continue alike, bit for bit
+        opt.step(g)
+        resumed.step(g)
+        host.step({k: v.get() for k, v in g.items()})
+    for k in params:
+        assert resumed.params[k].get().tobytes() == opt.params[k].get().tobytes()
+        assert host.params[k].tobytes() == opt.params[k].get().tobytes()
+
+
+def test_gradient_in_the_other_memory_is_refused_before_any_update(cp):
+    params, grads = make_problem(np.float64)
+    dev = to_device(cp, params)
+    opt = SGD(dev, lr=0.1, momentum=0.9)
+    before = {k: v.get() for k, v in dev.items()}
+    bad = dict(to_device(cp, grads[0]), matrix=grads[0]["matrix"])  # one host gradient
+    with pytest.raises(InvalidTypeError, match="'matrix' is on the host .* parameter is on the "
+                                               "GPU"):
+        opt.step(bad)
+    assert all(dev[k].get().tobytes() == before[k].tobytes() for k in dev)
+    assert opt.state == {k: {} for k in dev}
+    host_opt = SGD({"w": np.zeros(3)}, lr=0.1)
+    with pytest.raises(InvalidTypeError, match="'w' is on the GPU .* parameter is on the host"):
+        host_opt.step({"w": cp.zeros(3)})
+
+
+def test_one_optimizer_may_hold_host_and_device_parameters(cp):
+    """Each parameter updates in its own memory: a model split between CPU and GPU."""
+    params, grads = make_problem(np.float32)
+    mixed = dict(params, matrix=cp.asarray(params["matrix"]))
+    plain = {k: v.copy() for k, v in params.items()}
+    run(Adam, {}, plain, grads)
+    run(Adam, {}, mixed, [dict(g, matrix=cp.asarray(g["matrix"])) for g in grads])
+    assert type(mixed["matrix"]) is cp.ndarray and type(mixed["vector"]) is np.ndarray
+    for k in params:
+        got = mixed[k].get() if k == "matrix" else mixed[k]
+        assert got.tobytes() == plain[k].tobytes(), k
