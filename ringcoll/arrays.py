@@ -71,6 +71,24 @@ def array_module(x):
     return sys.modules["cupy"] if is_device(x) else np
 
 
+def is_array(x):
+    """A NumPy or CuPy array."""
+    return isinstance(x, np.ndarray) or is_device(x)
+
+
+def to_module(xp, x):
+    """x (NumPy or CuPy) as an array of module xp: a copy across host and device (cupy.asarray
+    or cupy.asnumpy), else x itself."""
+    if is_device(x) == (xp is not np):
+        return x
+    return xp.asarray(x) if xp is not np else array_module(x).asnumpy(x)
+
+
+def memory_of(x):
+    """Where x lives, for error messages."""
+    return "on the GPU (CuPy)" if is_device(x) else "on the host (NumPy)"
+
+
 def writeable(x):
     """x.flags.writeable; CuPy arrays have no such flag and are always writeable."""
     return getattr(x.flags, "writeable", True)

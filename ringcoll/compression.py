@@ -24,12 +24,16 @@ Built in:
   k * (4 + itemsize) bytes instead of n * itemsize. The all-gather is blocking (finish() runs
   it), so top-k does not overlap with the backward pass.
 
+Every compressor runs in the array module of the bucket (NumPy on the host, CuPy on the GPU:
+the cast and the top-k selection happen on the device, and only the payload travels). bf16 is
+host-only (CuPy has no bfloat16 dtype): DistributedOptimizer refuses it for GPU parameters.
+
 Write your own by subclassing Compressor; see FP16 for the pattern.
 """
 
 import numpy as np
 
-from .arrays import BFLOAT16
+from .arrays import BFLOAT16, array_module
 from .errors import InvalidArgumentError
 
 
@@ -40,6 +44,8 @@ class Compressor:
     #: the keys of a bucket's state that carry over from step to step (saved in checkpoints:
     #: top-k's residual); the others are scratch, rebuilt on the next start()
     state_keys = ()
+    #: True where the compressor has no GPU form (bf16): refused for CuPy buckets
+    host_only = False
 
     def start(self, comm, buf, state):
         return comm.iallreduce(buf, op="avg", out=buf)
@@ -54,14 +60,15 @@ class Compressor:
 class Cast(Compressor):
     """Pre-divide by p, cast to a 16-bit float, sum, cast back (see the module docstring)."""
 
-    def __init__(self, dtype, name):
-        self.dtype, self.name = np.dtype(dtype), name
+    def __init__(self, dtype, name, host_only=False):
+        self.dtype, self.name, self.host_only = np.dtype(dtype), name, host_only
 
     def start(self, comm, buf, state):
+        xp = array_module(buf)
         payload = state.get("payload")
         if payload is None:
-            payload = state["payload"] = np.empty(buf.size, self.dtype)
-        np.multiply(buf, 1.0 / comm.size, out=payload, casting="unsafe")
+            payload = state["payload"] = xp.empty(buf.size, self.dtype)
+        xp.multiply(buf, 1.0 / comm.size, out=payload, casting="unsafe")
         return buf, payload, comm.iallreduce(payload, op="sum", out=payload)
 
     def finish(self, handle):
@@ -91,13 +98,14 @@ class TopK(Compressor):
         return max(1, int(round(self.density * n))) if n else 0
 
     def start(self, comm, buf, state):
+        xp = array_module(buf)
         residual = state.get("residual")  # what this rank has not sent yet
         if residual is None:
-            residual = state["residual"] = np.zeros_like(buf)
+            residual = state["residual"] = xp.zeros_like(buf)
         residual += buf  # the gradient plus everything not sent before
         k = self.k(buf.size)
-        index = np.argpartition(np.abs(residual), buf.size - k)[buf.size - k:] if k else \
-            np.empty(0, np.int64)
+        index = xp.argpartition(xp.abs(residual), buf.size - k)[buf.size - k:] if k else \
+            xp.empty(0, np.int64)
         index = index.astype(np.int32)
         values = residual[index]
         residual[index] = 0  # sent: the rest waits for a later step
@@ -108,7 +116,7 @@ class TopK(Compressor):
         indices = comm.allgather(index)  # every rank sends the same k: no count exchange needed
         gathered = comm.allgather(values)
         buf[...] = 0
-        np.add.at(buf, indices, gathered)  # the same index from two ranks adds up
+        array_module(buf).add.at(buf, indices, gathered)  # one index from two ranks adds up
         buf /= comm.size
 
     def wire_bytes(self, buf):
@@ -120,7 +128,7 @@ class Compression:
 
     none = Compressor()
     fp16 = Cast(np.float16, "fp16")
-    bf16 = Cast(BFLOAT16, "bf16") if BFLOAT16 is not None else None
+    bf16 = Cast(BFLOAT16, "bf16", host_only=True) if BFLOAT16 is not None else None
 
     @staticmethod
     def topk(density=0.01):

@@ -61,7 +61,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from .arrays import HALF_TYPES
+from .arrays import HALF_TYPES, array_module, is_array, is_device, memory_of, to_module
 from .communicator import Communicator
 from .compression import Compressor
 from .errors import CollectiveMismatchError, InvalidArgumentError, RingcollError
@@ -138,10 +138,23 @@ class DistributedOptimizer:
         self.backward_passes_per_step = backward_passes_per_step
         params = optimizer.params
         for name, p in params.items():
-            if not (isinstance(p, np.ndarray) and (p.dtype.kind == "f" or p.dtype in HALF_TYPES)):
-                got = f"dtype {p.dtype}" if isinstance(p, np.ndarray) else type(p).__name__
+            if not (is_array(p) and (p.dtype.kind == "f" or p.dtype in HALF_TYPES)):
+                got = f"dtype {p.dtype}" if is_array(p) else type(p).__name__
                 raise InvalidArgumentError(f"{ctx}parameter {name!r} must be a floating-point "
-                                           f"NumPy array (float16/32/64, bfloat16), got {got}")
+                                           f"NumPy or CuPy array (float16/32/64, bfloat16), "
+                                           f"got {got}")
+        first = next(iter(params.values()), None)
+        mixed = [n for n, p in params.items() if is_device(p) != is_device(first)]
+        if mixed:
+            raise InvalidArgumentError(
+                f"{ctx}parameters {mixed} are not where the first one is ({memory_of(first)}); "
+                "gradients are averaged in buckets of one memory: put the whole model on the "
+                "GPU or on the host")
+        #: the array module of the parameters, buckets and compression buffers (NumPy or CuPy)
+        self.xp = xp = array_module(first) if first is not None else np
+        if xp is not np and getattr(self.compression, "host_only", False):
+            raise InvalidArgumentError(f"{ctx}compression {self.compression.name} has no GPU "
+                                       "form (CuPy has no bfloat16 dtype); use Compression.fp16")
         if op == "sum" and compression is not None:
             raise InvalidArgumentError(f"{ctx}compression applies to op='avg' (it divides by "
                                        "the process count before casting); drop one of them")
@@ -150,7 +163,8 @@ class DistributedOptimizer:
         # k+1 slots of buckets (one without staleness): (buckets, name -> bucket, grads views);
         # the buffers are the node tier's registered memory (comm.shared_array) where it runs,
         # so each bucket's in-place all-reduce reads the peers' gradients where they lie
-        slots = [_make_slot(params, bucket_bytes, comm.shared_array)
+        slots = [_make_slot(params, bucket_bytes,
+                            lambda n, dtype: comm.shared_array(n, dtype, xp=xp))
                  for _ in range(staleness + 1)]
         self.buckets, self._bucket_of, views = slots[0]
         self.grads = dict(views)
@@ -183,6 +197,11 @@ class DistributedOptimizer:
             raise RingcollError(f"ringcoll rank {self.comm.rank}, grad_ready: the gradient of "
                                 f"{name!r} was already handed over in this backward pass")
         if grad is not None:
+            if is_device(grad) != (self.xp is not np):
+                raise InvalidArgumentError(
+                    f"ringcoll rank {self.comm.rank}, grad_ready: the gradient of {name!r} is "
+                    f"{memory_of(grad)} but the parameters are not; move it there first "
+                    "(cupy.asarray or cupy.asnumpy)")
             view = self.grads[name]
             if self._passes == 0:
                 view[...] = grad
@@ -460,7 +479,7 @@ class DistributedOptimizer:
         pending = [self._free.popleft() for _ in range(state.get("pending", 0))]
         for i, (buckets, _, _) in enumerate(pending):
             for b in buckets:  # completed all-reduces: no handle, the average in the buffer
-                b.buf[...] = state["arrays"][f"{b.index}/pending{i}"]
+                b.buf[...] = to_module(self.xp, state["arrays"][f"{b.index}/pending{i}"])
         self._in_flight.extend(pending)
         for b in self.buckets:
             for key in self.compression.state_keys:
@@ -471,9 +490,9 @@ class DistributedOptimizer:
             if name.startswith("pending"):
                 continue  # restored above
             if name == "grads":
-                bucket.buf[...] = a
+                bucket.buf[...] = to_module(self.xp, a)
             else:
-                bucket.state[name] = np.array(a, copy=True)
+                bucket.state[name] = self.xp.array(to_module(self.xp, a), copy=True)
 
 
 def _request_in(handle):
@@ -563,14 +582,15 @@ def broadcast_optimizer_state(optimizer, root=0, comm=None):
 
 
 def _split_state(state):
-    """A state_dict as (JSON-able metadata, list of arrays) for broadcasting or saving."""
+    """A state_dict as (JSON-able metadata, list of host arrays) for broadcasting or saving
+    (a GPU optimizer's state is copied to the host: load_state_dict copies it back)."""
     arrays, entries = [], {}
     for name, slots in state["state"].items():
         entries[name] = {}
         for key, value in slots.items():
-            if isinstance(value, np.ndarray):
+            if is_array(value):
                 entries[name][key] = {"array": len(arrays)}
-                arrays.append(np.ascontiguousarray(value))
+                arrays.append(np.ascontiguousarray(to_module(np, value)))
             else:
                 entries[name][key] = {"value": value}
     meta = {"type": state["type"], "hyper": state["hyper"], "state": entries,

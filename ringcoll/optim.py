@@ -38,7 +38,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from .arrays import HALF_TYPES, array_module, is_device, writeable
+from .arrays import (HALF_TYPES, array_module, is_array, is_device, memory_of, to_module,
+                     writeable)
 from .errors import InvalidArgumentError, InvalidTypeError
 
 #: float dtypes a parameter may have; the half types compute in float32.
@@ -47,22 +48,6 @@ _FLOAT_TYPES = (np.dtype(np.float32), np.dtype(np.float64)) + HALF_TYPES
 
 def _is_float(dtype):
     return dtype in _FLOAT_TYPES
-
-
-def _is_array(x):
-    """A NumPy or CuPy array (what a parameter, gradient or state entry may be)."""
-    return isinstance(x, np.ndarray) or is_device(x)
-
-
-def _where(x):
-    return "on the GPU (CuPy)" if is_device(x) else "on the host (NumPy)"
-
-
-def _to_module(xp, v):
-    """v (NumPy or CuPy) as an array of module xp: a copy across host and device, else v."""
-    if is_device(v) == (xp is not np):
-        return v
-    return xp.asarray(v) if xp is not np else array_module(v).asnumpy(v)
 
 
 def _compute_dtype(dtype):
@@ -129,7 +114,7 @@ class Optimizer:
             if not isinstance(name, str):
                 raise InvalidTypeError(f"{where}parameter name {name!r} is not a str; names "
                                        "are state_dict keys and must survive a JSON file")
-            if not _is_array(p):
+            if not is_array(p):
                 raise InvalidTypeError(f"{where}parameter {name!r} is a {type(p).__name__}, "
                                        "not a NumPy or CuPy array; the optimizer updates "
                                        "arrays in place, so pass the array itself")
@@ -203,13 +188,13 @@ class Optimizer:
             if p is None:
                 raise InvalidArgumentError(f"{where}gradient {name!r} names no parameter; the "
                                            f"parameters are {_names(self.params)}")
-            if not (_is_array(g) or isinstance(g, np.generic)):
+            if not (is_array(g) or isinstance(g, np.generic)):
                 raise InvalidTypeError(f"{where}gradient {name!r} is a {type(g).__name__}; "
                                        "pass an array like the parameter (np.asarray(g), or "
                                        "cupy.asarray(g) for a GPU parameter)")
             if is_device(g) != is_device(p):
-                raise InvalidTypeError(f"{where}gradient {name!r} is {_where(g)} but its "
-                                       f"parameter is {_where(p)}; move it there first "
+                raise InvalidTypeError(f"{where}gradient {name!r} is {memory_of(g)} but its "
+                                       f"parameter is {memory_of(p)}; move it there first "
                                        "(cupy.asarray(g) or cupy.asnumpy(g)): the update "
                                        "runs where the parameter lives")
             if not _is_float(g.dtype):
@@ -263,7 +248,7 @@ class Optimizer:
         where = f"ringcoll {type(self).__name__}.state_dict: "
         hyper = {k: list(v) if isinstance(v, tuple) else v
                  for k, v in self._checked_hyper(self.hyper, where).items()}
-        state = {name: {k: v.copy() if _is_array(v) else int(v)
+        state = {name: {k: v.copy() if is_array(v) else int(v)
                         for k, v in st.items()}
                  for name, st in self.state.items()}
         return {"type": type(self).__name__, "hyper": hyper, "state": state}
@@ -291,11 +276,11 @@ class Optimizer:
             xp = array_module(p)
             old, new = self.state[name], {}
             for k, v in st.items():
-                if not _is_array(v):
+                if not is_array(v):
                     new[k] = v
                     continue
-                v = _to_module(xp, v)
-                if _is_array(old.get(k)):
+                v = to_module(xp, v)
+                if is_array(old.get(k)):
                     xp.copyto(old[k], v, casting="unsafe")  # keep the buffer, copy the values
                     new[k] = old[k]
                 else:
@@ -359,7 +344,7 @@ class Optimizer:
                                                "saved state has taken at least one step")
                 out[k] = int(v)
                 continue
-            if not _is_array(v):
+            if not is_array(v):
                 raise InvalidTypeError(f"{where}state {name!r}/{k!r} is a {type(v).__name__}, "
                                        "not a NumPy or CuPy array")
             if not _is_float(v.dtype):

@@ -102,14 +102,78 @@ def copyto(dst, src, casting="same_kind"):
     np.copyto(_host(dst), _host(src), casting=casting)
 
 
+def argpartition(a, kth):
+    _on_device(a)
+    return np.argpartition(_host(a), kth).view(ndarray)
+
+
+class StagedComm:
+    """A ringcoll Communicator (thread ranks) that takes the fake's arrays: each collective
+    on them copies to the host, runs the real collective there and copies the result back,
+    as the real Communicator's staged device path does with CuPy arrays (minus the GPU).
+    Host arrays pass straight through. What it lets the tests check is the code above it
+    (DistributedOptimizer, compression) keeping every buffer on the "device"."""
+
+    def __init__(self, comm):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+
+    def shared_array(self, shape, dtype=np.float32, xp=np):
+        return xp.zeros(shape, dtype)  # registered memory is the real path's business
+
+    def allreduce(self, x, op="sum", out=None, **kw):
+        if not isinstance(x, ndarray):
+            return self.comm.allreduce(x, op=op, out=out, **kw)
+        result = asarray(self.comm.allreduce(x.get(), op=op, **kw))
+        if out is None:
+            return result
+        copyto(out, result)
+        return out
+
+    def iallreduce(self, x, op="sum", out=None, **kw):
+        if not isinstance(x, ndarray):
+            return self.comm.iallreduce(x, op=op, out=out, **kw)
+        host = x.get()
+        return _Staged(self.comm.iallreduce(host, op=op, out=host, **kw), host,
+                       x if out is None else out)
+
+    def allgather(self, x, **kw):
+        if not isinstance(x, ndarray):
+            return self.comm.allgather(x, **kw)
+        return asarray(self.comm.allgather(x.get(), **kw))
+
+    def broadcast(self, x, root=0, **kw):
+        if not isinstance(x, ndarray):
+            return self.comm.broadcast(x, root=root, **kw)
+        host = x.get()
+        self.comm.broadcast(host, root=root, **kw)
+        copyto(x, asarray(host))
+        return x
+
+
+class _Staged:
+    """A Request whose result is copied back to the device when it completes."""
+
+    def __init__(self, request, host, out):
+        self.request, self.host, self.out = request, host, out
+
+    @property
+    def seconds(self):
+        return self.request.seconds
+
+    def wait(self):
+        self.request.wait()
+        copyto(self.out, asarray(self.host))
+        return self.out
+
+
 def module():
     """A fresh module object named 'cupy' with the functions above and NumPy's ufuncs."""
     m = types.ModuleType("cupy")
     m.__file__ = __file__
     for name in ("ndarray", "empty", "zeros", "empty_like", "zeros_like", "array", "asarray",
-                 "asnumpy", "copyto"):
+                 "asnumpy", "copyto", "argpartition"):
         setattr(m, name, globals()[name])
-    for name in ("add", "subtract", "multiply", "divide", "sqrt", "maximum", "minimum",
+    for name in ("add", "subtract", "multiply", "divide", "sqrt", "maximum", "minimum", "abs",
                  "float16", "float32", "float64", "dtype"):
         setattr(m, name, getattr(np, name))  # ufuncs dispatch to ndarray.__array_ufunc__
     m.FAKE = True

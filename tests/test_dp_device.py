@@ -1,0 +1,202 @@
+"""DistributedOptimizer, compression and the broadcasts on CuPy parameters, on the CPU: the
+parameters, buckets, compression buffers and optimizer state live in tests/_fake_cupy.py's
+"device" arrays (which refuse NumPy functions and mixing with NumPy arrays, as CuPy's do), and
+the collectives run on thread ranks behind _fake_cupy.StagedComm, staged through the host.
+
+Each run is compared with the same run on NumPy parameters over the plain Communicator: the
+code path is one, so the results must agree bit for bit (gradients are small integers, so the
+sums are exact). On a real GPU, scripts/gpu_check.sh trains with CuPy through the real
+Communicator.
+"""
+
+import sys
+
+import numpy as np
+import pytest
+
+import ringcoll
+from ringcoll import InvalidArgumentError
+from ringcoll.compression import Compression
+from ringcoll.optim import SGD, Adam
+
+import _fake_cupy
+
+TIMEOUT = 20
+MODEL = [("w1", (6, 5), np.float32), ("b1", (5,), np.float32), ("w2", (5, 3), np.float32),
+         ("b2", (3,), np.float32)]
+STEPS = 4
+
+
+@pytest.fixture
+def cp(monkeypatch):
+    fake = _fake_cupy.module()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    return fake
+
+
+def make_params(dtype=None):
+    rng = np.random.default_rng(0)
+    return {n: rng.standard_normal(s).astype(dtype or d) for n, s, d in MODEL}
+
+
+def grads_for(params, rank, step):
+    rng = np.random.default_rng([rank, step])
+    return {n: rng.integers(-8, 9, p.shape).astype(p.dtype) for n, p in params.items()}
+
+
+def train(p, device, opt_cls, hyper, wrapper, cp=None, dtype=None):
+    """STEPS steps of data-parallel training on p thread ranks, gradients handed over last
+    layer first; returns each rank's (parameters, optimizer state) on the host, and checks on
+    the way that nothing left the device."""
+
+    def fn(comm):
+        params = make_params(dtype)
+        if device:
+            params = {n: cp.asarray(a) for n, a in params.items()}
+            comm = _fake_cupy.StagedComm(comm)
+        opt = ringcoll.DistributedOptimizer(opt_cls(params, **hyper), comm, **wrapper)
+        passes = wrapper.get("backward_passes_per_step", 1)
+        for step in range(STEPS):
+            for k in range(passes):
+                grads = grads_for(params, comm.rank, step * passes + k)
+                for name in reversed(list(params)):
+                    g = cp.asarray(grads[name]) if device else grads[name]
+                    opt.grad_ready(name, g)
+            opt.step()
+        opt.flush()
+        if device:
+            kinds = {type(b.buf) for b in opt.buckets} | {type(v) for v in params.values()}
+            kinds |= {type(v) for st in opt.optimizer.state.values() for k, v in st.items()
+                      if k != "step"}
+            kinds |= {type(a) for b in opt.buckets for a in b.state.values()}
+            assert kinds == {cp.ndarray}, kinds
+        host = {n: cp.asnumpy(a) if device else a for n, a in params.items()}
+        state = {n: {k: v if k == "step" else (cp.asnumpy(v) if device else v)
+                     for k, v in st.items()} for n, st in opt.optimizer.state.items()}
+        return host, state
+
+    return ringcoll.run_threads(p, fn, timeout=TIMEOUT)
+
+
+CASES = [
+    (SGD, dict(lr=0.05, momentum=0.9), {}),
+    (Adam, dict(lr=0.01), dict(bucket_bytes=64)),
+    (SGD, dict(lr=0.05, momentum=0.9, nesterov=True), dict(backward_passes_per_step=2)),
+    (Adam, dict(lr=0.01, weight_decay=0.1, decoupled=True), dict(staleness=1)),
+    (SGD, dict(lr=0.05), dict(compression=Compression.fp16, bucket_bytes=100)),
+    (SGD, dict(lr=0.05, momentum=0.5), dict(compression=Compression.topk(0.3))),
+    (SGD, dict(lr=0.05), dict(op="sum", staleness=2, bucket_bytes=64)),
+]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("opt_cls,hyper,wrapper", CASES, ids=str)
+def test_device_training_equals_the_numpy_run_bitwise(cp, p, opt_cls, hyper, wrapper):
+    want = train(p, False, opt_cls, hyper, wrapper)
+    got = train(p, True, opt_cls, hyper, wrapper, cp)
+    for r in range(p):
+        for name, a in want[r][0].items():
+            assert got[r][0][name].tobytes() == a.tobytes(), (r, name)
+        for name, st in want[r][1].items():
+            for key, v in st.items():
+                g = got[r][1][name][key]
+                assert (g == v) if key == "step" else g.tobytes() == v.tobytes(), (r, name, key)
+    assert all(got[r][0][n].tobytes() == got[0][0][n].tobytes() for r in range(p)
+               for n in got[0][0])  # replicas identical
+
+
+def test_float16_parameters_on_the_device(cp):
+    want = train(2, False, Adam, dict(lr=0.01), {}, dtype=np.float16)
+    got = train(2, True, Adam, dict(lr=0.01), {}, cp, dtype=np.float16)
+    for name, a in want[0][0].items():
+        assert got[0][0][name].dtype == np.float16
+        assert got[0][0][name].tobytes() == a.tobytes(), name
+
+
+def test_wrong_memories_are_refused_naming_the_fix(cp):
+    def fn(comm):
+        comm = _fake_cupy.StagedComm(comm)
+        mixed = {"w": cp.zeros(3, np.float32), "b": np.zeros(2, np.float32)}
+        with pytest.raises(InvalidArgumentError, match=r"\['b'\] are not where the first one "
+                                                       r"is \(on the GPU"):
+            ringcoll.DistributedOptimizer(SGD(mixed, lr=0.1), comm)
+        opt = ringcoll.DistributedOptimizer(SGD({"w": cp.zeros(3, np.float32)}, lr=0.1), comm)
+        with pytest.raises(InvalidArgumentError, match="gradient of 'w' is on the host"):
+            opt.grad_ready("w", np.ones(3, np.float32))
+        if Compression.bf16 is not None:
+            with pytest.raises(InvalidArgumentError, match="bf16 has no GPU form"):
+                ringcoll.DistributedOptimizer(SGD({"w": cp.zeros(3, np.float32)}, lr=0.1),
+                                              comm, compression=Compression.bf16)
+
+    ringcoll.run_threads(2, fn, timeout=TIMEOUT)
+
+
+def test_wrapper_checkpoint_from_the_device_resumes_bitwise(cp):
+    """Save mid-accumulation with top-k's residual and a step in flight (staleness needs no
+    residual compressor, so two wrappers), through host arrays as a checkpoint file holds
+    them, into fresh device wrappers: the resumed run is the uninterrupted one."""
+
+    def fn(comm):
+        comm = _fake_cupy.StagedComm(comm)
+        results = []
+        for wrapper in (dict(compression=Compression.topk(0.3), backward_passes_per_step=2),
+                        dict(staleness=1)):
+            runs = []
+            for resume in (False, True):
+                params = {n: cp.asarray(a) for n, a in make_params().items()}
+                opt = ringcoll.DistributedOptimizer(SGD(params, lr=0.05, momentum=0.9), comm,
+                                                    **wrapper)
+                passes = wrapper.get("backward_passes_per_step", 1)
+                for i in range(3 * passes + 1):  # three steps and one pass of the fourth
+                    grads = grads_for(make_params(), comm.rank, i)
+                    for name in reversed(list(params)):
+                        opt.grad_ready(name, cp.asarray(grads[name]))
+                    if (i + 1) % passes == 0:
+                        opt.step()
+                    if resume and i == 3 * passes:  # checkpoint: host arrays, new objects
+                        wsd = opt.wrapper_state_dict()
+                        kinds = {k.split("/")[1].rstrip("0123456789") for k in wsd["arrays"]}
+                        assert kinds == ({"grads", "residual"} if passes == 2 else {"pending"})
+                        assert all(type(a) is cp.ndarray for a in wsd["arrays"].values())
+                        wsd["arrays"] = {k: cp.asnumpy(a) for k, a in wsd["arrays"].items()}
+                        sd = opt.optimizer.state_dict()
+                        held = {n: cp.asnumpy(a) for n, a in params.items()}
+                        params = {n: cp.asarray(a) for n, a in held.items()}
+                        opt = ringcoll.DistributedOptimizer(SGD(params, lr=0.05, momentum=0.9),
+                                                            comm, **wrapper)
+                        opt.optimizer.load_state_dict(sd)
+                        opt.load_wrapper_state_dict(wsd)
+                if passes == 2:  # the fourth step's second pass
+                    grads = grads_for(make_params(), comm.rank, 99)
+                    for name in reversed(list(params)):
+                        opt.grad_ready(name, cp.asarray(grads[name]))
+                    opt.step()
+                opt.flush()
+                runs.append({n: cp.asnumpy(a) for n, a in params.items()})
+            results.append(all(runs[0][n].tobytes() == runs[1][n].tobytes() for n in runs[0]))
+        return results
+
+    assert ringcoll.run_threads(2, fn, timeout=TIMEOUT) == [[True, True]] * 2
+
+
+def test_broadcasts_of_device_parameters_and_optimizer_state(cp):
+    def fn(comm):
+        comm = _fake_cupy.StagedComm(comm)
+        params = {n: cp.asarray(a * (comm.rank + 1)) for n, a in make_params().items()}
+        ringcoll.broadcast_parameters(params, root=1, comm=comm)
+        assert all(type(a) is cp.ndarray for a in params.values())
+        after = {n: cp.asnumpy(a) for n, a in params.items()}
+        opt = Adam(params, lr=0.01)
+        if comm.rank == 1:  # only the root has state: the others get it, on their device
+            opt.step({n: cp.asarray(g) for n, g in grads_for(make_params(), 1, 0).items()})
+        ringcoll.broadcast_optimizer_state(opt, root=1, comm=comm)
+        state = opt.state["w1"]
+        assert type(state["exp_avg"]) is cp.ndarray and state["step"] == 1
+        return after, cp.asnumpy(state["exp_avg"]), cp.asnumpy(state["exp_avg_sq"])
+
+    out = ringcoll.run_threads(3, fn, timeout=TIMEOUT)
+    want = {n: a * 2 for n, a in make_params().items()}  # root 1's parameters
+    for r, (params, m, v) in enumerate(out):
+        assert all(params[n].tobytes() == want[n].tobytes() for n in want), r
+        assert m.tobytes() == out[1][1].tobytes() and v.tobytes() == out[1][2].tobytes(), r
+        assert m.any() and v.any()
