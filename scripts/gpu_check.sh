@@ -17,6 +17,9 @@
 #      direct and staged, the node tier on device memory), then its mpiexec tier at -n 1, 2
 #      and 4, all ranks sharing the GPU, where auto runs the node tier (CUDA IPC)
 #      (RINGCOLL_REQUIRE_GPU=1: a skip for want of a GPU is a failure here);
+#   4b. tests/mpi_dp_xp.py --xp cupy at -n 2 and 4: an MLP written once over the array
+#      module, trained with DistributedOptimizer on CuPy parameters, against one process on
+#      the global batch (float64 1e-10, float32 1e-5), replicas identical;
 #   5. bench/gpu_allreduce.py at -n 2, 1 MiB to 256 MiB (the 70% staging gate at 64 MiB and
 #      the node tier's targets: 1 MiB <= 150 us, 64 MiB >= 80 GB/s, 256 MiB >= 200 GB/s
 #      busbw), -n 4 (node tier: 64 MiB >= 60 GB/s) and -n 1 (the only NCCL comparison one
@@ -233,6 +236,10 @@ step "pytest gpu in-process" 150 env RINGCOLL_REQUIRE_GPU=1 "${PYTEST[@]}" tests
     -k "not mpiexec" --junitxml="$OUT/pytest_gpu_inprocess.xml"
 step "pytest gpu mpiexec 1,2,4" 150 env RINGCOLL_REQUIRE_GPU=1 "${PYTEST[@]}" tests/test_gpu.py \
     -k "mpiexec" --junitxml="$OUT/pytest_gpu_mpiexec.xml"
+
+# -- 4b. data-parallel training on CuPy: DistributedOptimizer against one process ------------
+step "cupy training -n 2,4" 60 bash -c '"$0" -n 2 "$1" tests/mpi_dp_xp.py --xp cupy &&
+    "$0" -n 4 "$1" tests/mpi_dp_xp.py --xp cupy' "$MPIEXEC" "$PY"
 
 # -- 5. the benchmark on device buffers -----------------------------------------------------
 BENCH=(bench/gpu_allreduce.py -b 1M -e 64M -f 4)

@@ -5,8 +5,9 @@ the collectives run on thread ranks behind _fake_cupy.StagedComm, staged through
 
 Each run is compared with the same run on NumPy parameters over the plain Communicator: the
 code path is one, so the results must agree bit for bit (gradients are small integers, so the
-sums are exact). On a real GPU, scripts/gpu_check.sh trains with CuPy through the real
-Communicator.
+sums are exact). tests/mpi_dp_xp.py trains an MLP written once over the array module under
+mpiexec, against one process on the global batch: here with NumPy, in scripts/gpu_check.sh
+with CuPy through the real Communicator.
 """
 
 import sys
@@ -20,6 +21,7 @@ from ringcoll.compression import Compression
 from ringcoll.optim import SGD, Adam
 
 import _fake_cupy
+import _mpirun as mpirun
 
 TIMEOUT = 20
 MODEL = [("w1", (6, 5), np.float32), ("b1", (5,), np.float32), ("w2", (5, 3), np.float32),
@@ -200,3 +202,14 @@ def test_broadcasts_of_device_parameters_and_optimizer_state(cp):
         assert all(params[n].tobytes() == want[n].tobytes() for n in want), r
         assert m.tobytes() == out[1][1].tobytes() and v.tobytes() == out[1][2].tobytes(), r
         assert m.any() and v.any()
+
+
+# -- the same training under mpiexec, written once over xp (the GPU check runs it on CuPy) ---
+@mpirun.needs_mpi
+@pytest.mark.parametrize("nprocs", [1, 2, 3])
+def test_mpi_dp_xp_numpy(nprocs, mpi_timings):
+    rc, out, secs = mpirun.launch(nprocs, ["tests/mpi_dp_xp.py", "--xp", "numpy"], timeout=120)
+    mpi_timings[f"mpi_dp_xp numpy -n {nprocs}"] = secs
+    assert rc == 0, f"mpiexec -n {nprocs} tests/mpi_dp_xp.py --xp numpy: rc {rc}\n{out[-4000:]}"
+    assert f"mpi_dp_xp numpy p={nprocs}: 5 cases, 0 failures" in out, out[-3000:]
+    assert out.count("OK numpy") == 5, out[-3000:]
