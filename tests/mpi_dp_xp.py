@@ -10,13 +10,16 @@ tier's registered device memory.
 
 Checks, on every rank: float64 parameters within 1e-10 of the reference, float32 within 1e-5
 (fp16 compression: 2e-2); every replica bitwise identical to rank 0's; parameters, buckets
-and optimizer state arrays of xp. Prints 'OK <check> ...' (rank 0) or 'FAIL rank r <check>';
+and optimizer state arrays of xp; and a checkpoint of the training (save_checkpoint, written
+from the host) loaded into fresh objects on xp resumes bit for bit. Prints 'OK <check> ...' (rank 0) or 'FAIL rank r <check>';
 exits non-zero if any check failed on any rank.
 """
 
 import argparse
 import hashlib
+import shutil
 import sys
+import tempfile
 import traceback
 
 import numpy as np
@@ -79,16 +82,18 @@ def reference(xp, kind, dtype):
     return params
 
 
-def train(xp, comm, kind, dtype, passes=1, **wrapper):
+def train(xp, comm, kind, dtype, passes=1, steps=range(STEPS), params=None, opt=None,
+          **wrapper):
     p, r = comm.size, comm.rank
     x, y = data(xp, dtype)
-    params = init_params(xp, dtype, seed=1 + r)  # different on purpose: broadcast fixes it
-    ringcoll.broadcast_parameters(params, comm=comm)
-    opt = ringcoll.DistributedOptimizer(make_opt(kind, params), comm,
-                                        backward_passes_per_step=passes, **wrapper)
+    if params is None:
+        params = init_params(xp, dtype, seed=1 + r)  # different on purpose: broadcast fixes it
+        ringcoll.broadcast_parameters(params, comm=comm)
+        opt = ringcoll.DistributedOptimizer(make_opt(kind, params), comm,
+                                            backward_passes_per_step=passes, **wrapper)
     share = BATCH // p
     micro = share // passes
-    for s in range(STEPS):
+    for s in steps:
         for k in range(passes):
             start = s * BATCH + r * share + k * micro
             rows = slice(start, start + micro)
@@ -140,13 +145,33 @@ def main():
                   f"max |diff| {diff:.1e} (<= {tol:g}), replicas identical "
                   f"{len(set(digests)) == 1}, arrays of {kinds}, buckets shared "
                   f"{[comm.is_shared(b.buf) for b in opt.buckets]}")
+        # a checkpoint of device training (written from the host, read back onto the GPU)
+        # resumes bitwise: 2 steps, save, 3 more == load into fresh objects, the same 3 more
+        folder = WORLD.bcast(tempfile.mkdtemp(prefix="rc_dp_xp_") if WORLD.rank == 0 else None)
+        wrapper = {"compression": ringcoll.Compression.topk(0.5)}
+        params, opt = train(xp, comm, "adam", np.float32, steps=range(2), **wrapper)
+        ringcoll.save_checkpoint(f"{folder}/ckpt", params, opt, comm=comm)
+        straight, _ = train(xp, comm, "adam", np.float32, steps=range(2, 5), params=params,
+                            opt=opt)
+        fresh = init_params(xp, np.float32, seed=99)
+        fresh_opt = ringcoll.DistributedOptimizer(make_opt("adam", fresh), comm, **wrapper)
+        ringcoll.load_checkpoint(f"{folder}/ckpt", fresh, fresh_opt, comm=comm)
+        resumed, _ = train(xp, comm, "adam", np.float32, steps=range(2, 5), params=fresh,
+                           opt=fresh_opt)
+        same = all(host(xp, straight[n]).tobytes() == host(xp, resumed[n]).tobytes()
+                   for n in straight)
+        check(f"{args.xp} checkpoint resume p={p}", same, f"bitwise {same}")
+        WORLD.Barrier()
+        if WORLD.rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
     except Exception:  # noqa: BLE001 - the others may wait for this rank: end the job
         print(f"FAIL rank {WORLD.rank}:\n{traceback.format_exc()}", flush=True)
         WORLD.Abort(1)
     comm.close()
     failed = WORLD.allreduce(len(FAILURES))
     if WORLD.rank == 0:
-        print(f"mpi_dp_xp {args.xp} p={p}: {len(cases)} cases, {failed} failures", flush=True)
+        print(f"mpi_dp_xp {args.xp} p={p}: {len(cases) + 1} cases, {failed} failures",
+              flush=True)
     sys.exit(1 if failed else 0)
 
 

@@ -211,5 +211,43 @@ def test_mpi_dp_xp_numpy(nprocs, mpi_timings):
     rc, out, secs = mpirun.launch(nprocs, ["tests/mpi_dp_xp.py", "--xp", "numpy"], timeout=120)
     mpi_timings[f"mpi_dp_xp numpy -n {nprocs}"] = secs
     assert rc == 0, f"mpiexec -n {nprocs} tests/mpi_dp_xp.py --xp numpy: rc {rc}\n{out[-4000:]}"
-    assert f"mpi_dp_xp numpy p={nprocs}: 5 cases, 0 failures" in out, out[-3000:]
-    assert out.count("OK numpy") == 5, out[-3000:]
+    assert f"mpi_dp_xp numpy p={nprocs}: 6 cases, 0 failures" in out, out[-3000:]
+    assert out.count("OK numpy") == 6, out[-3000:]
+
+
+def test_checkpoint_of_device_training_resumes_bitwise_on_either_memory(cp, tmp_path):
+    """save_checkpoint from CuPy parameters, Adam state and top-k residuals (written from the
+    host); load_checkpoint into fresh device objects and into host objects: both continue as
+    the uninterrupted run, bit for bit."""
+    wrapper = dict(compression=Compression.topk(0.3))
+
+    def fn(comm):
+        comm = _fake_cupy.StagedComm(comm)
+        path = str(tmp_path / "ckpt")
+
+        def build(device):
+            params = make_params()
+            params = {n: cp.asarray(a) for n, a in params.items()} if device else params
+            return params, ringcoll.DistributedOptimizer(Adam(params, lr=0.01), comm, **wrapper)
+
+        def steps(params, opt, first, last, device):
+            for i in range(first, last):
+                grads = grads_for(make_params(), comm.rank, i)
+                for name in reversed(list(params)):
+                    opt.grad_ready(name, cp.asarray(grads[name]) if device else grads[name])
+                opt.step()
+
+        params, opt = build(True)
+        steps(params, opt, 0, 3, True)
+        ringcoll.save_checkpoint(path, params, opt, comm=comm, extra={"step": 3})
+        steps(params, opt, 3, 6, True)
+        out = [{n: cp.asnumpy(a) for n, a in params.items()}]
+        for device in (True, False):
+            fresh, fresh_opt = build(device)
+            assert ringcoll.load_checkpoint(path, fresh, fresh_opt, comm=comm) == {"step": 3}
+            assert all((type(a) is cp.ndarray) == device for a in fresh.values())
+            steps(fresh, fresh_opt, 3, 6, device)
+            out.append({n: cp.asnumpy(a) if device else a for n, a in fresh.items()})
+        return [all(o[n].tobytes() == out[0][n].tobytes() for n in o) for o in out[1:]]
+
+    assert ringcoll.run_threads(2, fn, timeout=TIMEOUT) == [[True, True]] * 2

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from ..arrays import is_array, to_module
 from ..communicator import Communicator
 from ..distributed import DistributedOptimizer
 from ..errors import CheckpointError
@@ -46,10 +47,10 @@ def split_optimizer(optimizer):
 
 
 def targets(params, shards, where):
-    """[(name, array, Shard)] for params, each checked: a dict of numeric NumPy arrays, and
-    `shards` (name -> Shard, or (global shape, start)) naming blocks that fit."""
+    """[(name, array, Shard)] for params, each checked: a dict of numeric NumPy (or CuPy)
+    arrays, and `shards` (name -> Shard, or (global shape, start)) naming blocks that fit."""
     if not isinstance(params, Mapping):
-        raise invalid(where, f"params must be a dict name -> np.ndarray, got "
+        raise invalid(where, f"params must be a dict name -> array, got "
                              f"{type(params).__name__}")
     shards = {} if shards is None else shards
     if not isinstance(shards, Mapping):
@@ -62,9 +63,9 @@ def targets(params, shards, where):
     for name, p in params.items():
         if not isinstance(name, str):
             raise invalid(where, f"parameter names must be str, got {name!r}")
-        if not isinstance(p, np.ndarray):
+        if not is_array(p):
             raise invalid(where, f"parameter {name!r} is a {type(p).__name__}, not a NumPy "
-                                 "array")
+                                 "or CuPy array")
         try:
             dtype_name(p.dtype)
         except ValueError as exc:
@@ -91,7 +92,8 @@ def holdings(rank, params, shards, optimizer, where):
     counters)."""
     inner, wrapper = split_optimizer(optimizer)
     mine = targets(params, shards, where)
-    held = [(f"param/{name}", p, spec) for name, p, spec in mine]
+    # what is written is host memory: GPU arrays are copied to the host here, once
+    held = [(f"param/{name}", to_module(np, p), spec) for name, p, spec in mine]
     meta = {"optimizer": None, "wrapper": None}
     if inner is not None:
         if not hasattr(inner, "state_dict") or not hasattr(inner, "params"):
@@ -105,11 +107,10 @@ def holdings(rank, params, shards, optimizer, where):
         per_param = {}
         for name, p, spec in mine:
             st = sd["state"].get(name, {})
-            per_param[name] = {"scalars": {k: v for k, v in st.items()
-                                           if not isinstance(v, np.ndarray)},
-                               "arrays": sorted(k for k, v in st.items()
-                                                if isinstance(v, np.ndarray))}
-            held += [(f"state/{name}/{k}", st[k], spec) for k in per_param[name]["arrays"]]
+            per_param[name] = {"scalars": {k: v for k, v in st.items() if not is_array(v)},
+                               "arrays": sorted(k for k, v in st.items() if is_array(v))}
+            held += [(f"state/{name}/{k}", to_module(np, st[k]), spec)
+                     for k in per_param[name]["arrays"]]
         meta["optimizer"] = {"type": sd["type"], "hyper": sd["hyper"], "params": per_param}
     if wrapper is not None:
         try:
@@ -118,6 +119,6 @@ def holdings(rank, params, shards, optimizer, where):
             raise invalid(where, str(exc)) from None
         arrays = state.pop("arrays")
         meta["wrapper"] = {**state, "arrays": sorted(arrays)}
-        held += [(f"rank/{rank}/{key}", a, Shard(a.shape, (0,) * a.ndim))
+        held += [(f"rank/{rank}/{key}", to_module(np, a), Shard(a.shape, (0,) * a.ndim))
                  for key, a in sorted(arrays.items())]
     return held, meta

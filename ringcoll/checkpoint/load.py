@@ -24,6 +24,7 @@ import numpy as np
 from . import agree, files
 from .holdings import split_optimizer, targets, world
 from .layout import dtype_of, intersect, local_index, volume
+from ..arrays import array_module, to_module
 from ..errors import CheckpointError, InvalidArgumentError
 
 
@@ -76,8 +77,8 @@ def _load(comm, path, params, optimizer, shards, strict):
             raise CheckpointError(f"{where}no rank loads the parameters {left} that {path} "
                                   "holds; build the whole model (or pass strict=False)",
                                   path=path, problem="mismatch", rank=0)
-    for name, p in params.items():
-        p[...] = staged["param/" + name]
+    for name, p in params.items():  # (onto the GPU for CuPy parameters)
+        p[...] = to_module(array_module(p), staged["param/" + name])
     inner, wrapper = split_optimizer(optimizer)
     if "optimizer" in staged:
         inner.load_state_dict(staged["optimizer"])
