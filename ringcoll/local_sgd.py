@@ -38,8 +38,7 @@ reduces took (blocking: local SGD has nothing to overlap them with), `bytes_sent
 
 import time
 
-import numpy as np
-
+from .arrays import array_module, is_array, is_device
 from .communicator import Communicator
 from .distributed import _check_same_layout
 from .errors import InvalidArgumentError
@@ -87,7 +86,7 @@ class LocalSGD:
             self._anchor = {n: p.copy() for n, p in self.params.items()}
             self._outer = SGD(self._anchor, lr=float(outer_lr), momentum=float(outer_momentum),
                               nesterov=bool(nesterov))
-            self._delta = {n: np.empty_like(p) for n, p in self.params.items()}
+            self._delta = {n: p.copy() for n, p in self.params.items()}  # (scratch)
         self._state_digest = None
 
     def step(self, grads):
@@ -104,8 +103,8 @@ class LocalSGD:
         if self.average_state:
             arrays += self._state_arrays()
         start = time.perf_counter()
-        for group in _by_dtype(arrays):
-            flat = np.concatenate([a.reshape(-1) for a in group])
+        for group in _by_dtype(arrays):  # (one memory per group: NumPy or CuPy arrays)
+            flat = array_module(group[0]).concatenate([a.reshape(-1) for a in group])
             self.comm.allreduce(flat, op="avg", out=flat)
             self.bytes_sent += flat.nbytes
             offset = 0
@@ -115,7 +114,7 @@ class LocalSGD:
         self.comm_seconds += time.perf_counter() - start
         if self._outer is not None:
             for n, p in self.params.items():
-                np.subtract(self._anchor[n], p, out=self._delta[n])
+                array_module(p).subtract(self._anchor[n], p, out=self._delta[n])
             self._outer.step(self._delta)
             for n, p in self.params.items():
                 p[...] = self._anchor[n]
@@ -125,7 +124,7 @@ class LocalSGD:
         """The inner optimizer's arrays, in a fixed order; checked once to be the same
         (names, keys, shapes, dtypes) on every rank, or the fused buffers would not line up."""
         keys = [(n, k) for n, st in self.optimizer.state.items() for k in sorted(st)
-                if isinstance(st[k], np.ndarray)]
+                if is_array(st[k])]
         arrays = [self.optimizer.state[n][k] for n, k in keys]
         digest = (tuple(keys), tuple((a.shape, a.dtype.name) for a in arrays))
         if digest != self._state_digest:
@@ -139,6 +138,6 @@ class LocalSGD:
 def _by_dtype(arrays):
     groups = {}
     for a in arrays:
-        groups.setdefault(a.dtype.str, []).append(a)
+        groups.setdefault((a.dtype.str, is_device(a)), []).append(a)
     return list(groups.values())
 

@@ -102,6 +102,11 @@ def copyto(dst, src, casting="same_kind"):
     np.copyto(_host(dst), _host(src), casting=casting)
 
 
+def concatenate(arrays):
+    _on_device(*arrays)
+    return np.concatenate([_host(a) for a in arrays]).view(ndarray)
+
+
 def argpartition(a, kth):
     _on_device(a)
     return np.argpartition(_host(a), kth).view(ndarray)
@@ -171,7 +176,7 @@ def module():
     m = types.ModuleType("cupy")
     m.__file__ = __file__
     for name in ("ndarray", "empty", "zeros", "empty_like", "zeros_like", "array", "asarray",
-                 "asnumpy", "copyto", "argpartition"):
+                 "asnumpy", "copyto", "argpartition", "concatenate"):
         setattr(m, name, globals()[name])
     for name in ("add", "subtract", "multiply", "divide", "sqrt", "maximum", "minimum", "abs",
                  "float16", "float32", "float64", "dtype"):

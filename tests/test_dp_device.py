@@ -251,3 +251,28 @@ def test_checkpoint_of_device_training_resumes_bitwise_on_either_memory(cp, tmp_
         return [all(o[n].tobytes() == out[0][n].tobytes() for n in o) for o in out[1:]]
 
     assert ringcoll.run_threads(2, fn, timeout=TIMEOUT) == [[True, True]] * 2
+
+
+@pytest.mark.parametrize("options", [dict(period=2), dict(period=3, average_state=True),
+                                     dict(period=2, outer_lr=0.7, outer_momentum=0.5,
+                                          nesterov=True)], ids=str)
+def test_local_sgd_on_the_device_equals_the_numpy_run(cp, options):
+    def fn(comm, device):
+        params = make_params()
+        if device:
+            params = {n: cp.asarray(a) for n, a in params.items()}
+            comm = _fake_cupy.StagedComm(comm)
+        opt = ringcoll.LocalSGD(Adam(params, lr=0.01), comm, **options)
+        for step in range(6):
+            grads = grads_for(make_params(), comm.rank, step)
+            opt.step({n: cp.asarray(g) if device else g for n, g in grads.items()})
+        if device:
+            assert all(type(a) is cp.ndarray for a in params.values())
+            assert all(type(v) is cp.ndarray for st in opt.optimizer.state.values()
+                       for k, v in st.items() if k != "step")
+        return {n: cp.asnumpy(a) if device else a for n, a in params.items()}
+
+    want = ringcoll.run_threads(3, lambda c: fn(c, False), timeout=TIMEOUT)
+    got = ringcoll.run_threads(3, lambda c: fn(c, True), timeout=TIMEOUT)
+    for r in range(3):
+        assert all(got[r][n].tobytes() == want[r][n].tobytes() for n in want[r]), r
