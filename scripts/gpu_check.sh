@@ -19,7 +19,8 @@
 #      (RINGCOLL_REQUIRE_GPU=1: a skip for want of a GPU is a failure here);
 #   4b. tests/mpi_dp_xp.py --xp cupy at -n 2 and 4: an MLP written once over the array
 #      module, trained with DistributedOptimizer on CuPy parameters, against one process on
-#      the global batch (float64 1e-10, float32 1e-5), replicas identical;
+#      the global batch (float64 1e-10, float32 1e-5), replicas identical, a checkpoint
+#      resumed on the GPU; scripts/train_digits.py --xp cupy at -n 2 where scikit-learn is;
 #   5. bench/gpu_allreduce.py at -n 2, 1 MiB to 256 MiB (the 70% staging gate at 64 MiB and
 #      the node tier's targets: 1 MiB <= 150 us, 64 MiB >= 80 GB/s, 256 MiB >= 200 GB/s
 #      busbw), -n 4 (node tier: 64 MiB >= 60 GB/s) and -n 1 (the only NCCL comparison one
@@ -240,6 +241,12 @@ step "pytest gpu mpiexec 1,2,4" 150 env RINGCOLL_REQUIRE_GPU=1 "${PYTEST[@]}" te
 # -- 4b. data-parallel training on CuPy: DistributedOptimizer against one process ------------
 step "cupy training -n 2,4" 60 bash -c '"$0" -n 2 "$1" tests/mpi_dp_xp.py --xp cupy &&
     "$0" -n 4 "$1" tests/mpi_dp_xp.py --xp cupy' "$MPIEXEC" "$PY"
+if "$PY" -c "import sklearn" 2> /dev/null; then  # the README's digits example, on the GPU
+    step "cupy digits example -n 2" 40 "$MPIEXEC" -n 2 "$PY" scripts/train_digits.py --xp cupy \
+        --epochs 3 -q
+else
+    say "note: scikit-learn is missing: the CuPy digits example (scripts/train_digits.py --xp cupy) is not run"
+fi
 
 # -- 5. the benchmark on device buffers -----------------------------------------------------
 BENCH=(bench/gpu_allreduce.py -b 1M -e 64M -f 4)

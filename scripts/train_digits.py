@@ -1,8 +1,14 @@
 """mpiexec -n 4 python scripts/train_digits.py [--epochs 20] [--compression fp16] [--no-overlap]
+                                            [--xp cupy]
 
-Data-parallel training of a NumPy MLP (hand-written backward pass) on scikit-learn's
+Data-parallel training of a NumPy (or CuPy) MLP (hand-written backward pass) on scikit-learn's
 handwritten digits (sklearn.datasets.load_digits: 1797 8x8 images, shipped with scikit-learn,
 no download), with ringcoll.DistributedOptimizer averaging the gradients.
+
+--xp cupy runs the same code on the GPU: data, parameters, gradients, buckets and optimizer
+state in device memory, each rank on GPU (local rank mod the GPUs it sees), so ranks share one
+GPU or have one each (`mpiexec -n 2 python scripts/train_digits.py --xp cupy`; needs CuPy:
+pip install -e ".[examples,gpu]").
 
 Every rank holds the whole data set and, at each step, takes its 1/p share of the same global
 batch (the same shuffled order on every rank: one seed), so p ranks follow the very same
@@ -30,6 +36,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 import ringcoll  # noqa: E402
+from ringcoll.arrays import array_module  # noqa: E402
 
 
 def load_data(seed=0, test_fraction=0.2):
@@ -56,22 +63,24 @@ def init_params(sizes, seed=0):
 
 
 def forward(params, x):
-    """Activations of every layer (ReLU between layers, logits last)."""
+    """Activations of every layer (ReLU between layers, logits last), in x's array module."""
+    xp = array_module(x)
     layers = len(params) // 2
     acts = [x]
     for i in range(layers):
         z = acts[-1] @ params[f"W{i}"] + params[f"b{i}"]
-        acts.append(np.maximum(z, 0) if i < layers - 1 else z)
+        acts.append(xp.maximum(z, 0) if i < layers - 1 else z)
     return acts
 
 
 def loss_and_grad_logits(logits, y, scale):
     """Softmax cross-entropy summed over the batch times `scale`, and d(loss)/d(logits)."""
+    xp = array_module(logits)
     z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
+    p = xp.exp(z)
     p /= p.sum(axis=1, keepdims=True)
-    loss = -np.log(p[np.arange(len(y)), y] + 1e-12).sum() * scale
-    p[np.arange(len(y)), y] -= 1
+    loss = -xp.log(p[xp.arange(len(y)), y] + 1e-12).sum() * scale
+    p[xp.arange(len(y)), y] -= 1
     return float(loss), p * scale
 
 
@@ -103,13 +112,20 @@ def main(argv=None):
     ap.add_argument("--no-overlap", action="store_true",
                     help="hand every gradient over after the backward pass (step(grads))")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--xp", choices=["numpy", "cupy"], default="numpy",
+                    help="the array module: cupy trains on the GPU")
     ap.add_argument("-q", "--quiet", action="store_true")
     args = ap.parse_args(argv)
 
     comm = ringcoll.Communicator()
     p, rank = comm.size, comm.rank
-    x_train, y_train, x_test, y_test = load_data(args.seed)
-    params = init_params([x_train.shape[1], *args.hidden, 10], args.seed)
+    xp = np
+    if args.xp == "cupy":
+        import cupy as xp
+        xp.cuda.Device(comm.local_rank % xp.cuda.runtime.getDeviceCount()).use()
+    x_train, y_train, x_test, y_test = map(xp.asarray, load_data(args.seed))
+    params = {name: xp.asarray(a)
+              for name, a in init_params([x_train.shape[1], *args.hidden, 10], args.seed).items()}
     ringcoll.broadcast_parameters(params, comm=comm)  # identical already; this proves it cheap
     compression = {"none": None, "fp16": ringcoll.Compression.fp16,
                    "bf16": ringcoll.Compression.bf16,
@@ -131,7 +147,8 @@ def main(argv=None):
         comm_before = opt.comm_seconds
         loss_sum = 0.0
         for step in range(steps):
-            rows = order[step * batch + rank * share: step * batch + (rank + 1) * share]
+            rows = xp.asarray(order[step * batch + rank * share:
+                                    step * batch + (rank + 1) * share])
             t0 = time.perf_counter()
             acts = forward(params, x_train[rows])
             # mean over the GLOBAL batch: each rank's sum / batch, averaged (op avg) * p
