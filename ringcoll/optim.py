@@ -82,7 +82,8 @@ class Optimizer:
 
     Args:
         params (dict[str, array]): the parameters (NumPy or CuPy arrays), updated in place by
-            :meth:`step`. Kept in insertion order as ``self.params`` (a new dict holding the same arrays).
+            :meth:`step`. Kept in insertion order as ``self.params`` (a new dict holding the
+            same arrays).
         **hyper: the optimizer's hyper-parameters, kept as the mutable dict ``self.hyper``.
             They are re-read and re-checked at every step, so ``opt.hyper["lr"] = 0.01``
             between steps is how a learning-rate schedule works.

@@ -11,8 +11,8 @@ tier's registered device memory.
 Checks, on every rank: float64 parameters within 1e-10 of the reference, float32 within 1e-5
 (fp16 compression: 2e-2); every replica bitwise identical to rank 0's; parameters, buckets
 and optimizer state arrays of xp; and a checkpoint of the training (save_checkpoint, written
-from the host) loaded into fresh objects on xp resumes bit for bit. Prints 'OK <check> ...' (rank 0) or 'FAIL rank r <check>';
-exits non-zero if any check failed on any rank.
+from the host) loaded into fresh objects on xp resumes bit for bit. Prints 'OK <check> ...'
+(rank 0) or 'FAIL rank r <check>'; exits non-zero if any check failed on any rank.
 """
 
 import argparse

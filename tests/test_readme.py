@@ -76,14 +76,22 @@ def test_the_checkpoint_page_has_its_examples():
     assert [n for n, _ in doc_examples("checkpoints.md")] == [2, 4]
 
 
-@pytest.mark.parametrize("index", range(2))
-def test_checkpoint_page_example_runs(index, tmp_path):
-    nprocs, code = doc_examples("checkpoints.md")[index]
+def run_doc_example(page, index, tmp_path, mpi_timings=None):
+    """Launch example `index` of docs/<page> at the rank count its first line names, in
+    tmp_path; assert it exited 0."""
+    nprocs, code = doc_examples(page)[index]
     script = tmp_path / "example.py"
     script.write_text(code)
     rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
                                   timeout=120, cwd=tmp_path)
-    assert rc == 0, f"docs/checkpoints.md example {index} at -n {nprocs}:\n{out[-3000:]}"
+    if mpi_timings is not None:
+        mpi_timings[f"docs/{page} example {index} -n {nprocs}"] = secs
+    assert rc == 0, f"docs/{page} example {index} at -n {nprocs}:\n{out[-3000:]}"
+
+
+@pytest.mark.parametrize("index", range(2))
+def test_checkpoint_page_example_runs(index, tmp_path):
+    run_doc_example("checkpoints.md", index, tmp_path)
 
 
 def test_the_torch_page_has_its_example():
@@ -93,20 +101,12 @@ def test_the_torch_page_has_its_example():
 def test_torch_page_example_runs(tmp_path, mpi_timings):
     pytest.importorskip("torch", reason="docs/torch.md's example needs torch: pip install -e "
                         "'.[torch]'")
-    ((nprocs, code),) = doc_examples("torch.md")
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
-                                  timeout=120, cwd=tmp_path)
-    mpi_timings[f"docs/torch.md example -n {nprocs}"] = secs
-    assert rc == 0, f"docs/torch.md's re-partitioning example at -n {nprocs}:\n{out[-3000:]}"
+    run_doc_example("torch.md", 0, tmp_path, mpi_timings)
+
+
+def test_the_node_tier_page_has_its_example():
+    assert [n for n, _ in doc_examples("node_tier.md")] == [4]
 
 
 def test_node_tier_page_example_runs(tmp_path, mpi_timings):
-    ((nprocs, code),) = doc_examples("node_tier.md")
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    rc, out, secs = mpirun.launch(nprocs, [str(script)], env={"RINGCOLL_TIMEOUT": "30"},
-                                  timeout=120, cwd=tmp_path)
-    mpi_timings[f"docs/node_tier.md example -n {nprocs}"] = secs
-    assert rc == 0, f"docs/node_tier.md's example at -n {nprocs}:\n{out[-3000:]}"
+    run_doc_example("node_tier.md", 0, tmp_path, mpi_timings)

@@ -19,22 +19,21 @@ All-reduce, chunk s on rank r (the counters only grow, so a wait is `peer's coun
 Reduce-scatter is steps 0-2 with the result written to the caller's block only (DONE after 2);
 all-gather copies only block r in at step 1 and every other block out at step 3 (wait READY).
 Broadcast moves bytes (any dtype, padding included), cut into c chunks of at most a slot
-(256 KiB on the host: HOST_BCAST_PIECE):
-the root copies chunk s into its slot and posts READY; every other rank waits for the root's
-READY and copies the chunk out of the root's slot, then posts DONE (steps 0, 1 and 3 with one
-block, the root's). Double buffering lets the root copy chunk s + 1 in while the peers copy
-chunk s out.
+(256 KiB on the host: HOST_BCAST_PIECE): the root copies chunk s into its slot and posts
+READY; every other rank waits for the root's READY, copies the chunk out of the root's slot and
+posts DONE (steps 0, 1 and 3 with one block, the root's). Double buffering lets the root copy
+chunk s + 1 in while the peers copy chunk s out.
 Every write is fenced (t.shared's fence: a memory barrier, or the stream synchronised on a
 GPU) before the counter that announces it, and every read follows the wait for it.
 
 Registered buffers (Tier.register: arrays in the tier's shared memory): an in-place all-reduce
 of one skips step 1, the peers read its blocks where they lie, and its result is copied into
-its own block r, where the peers read it at step 3; the rank then waits for every peer's DONE before it
-returns, since its array is the caller's again. Each rank says where its chunk lies (slot, or
-registration and offset) in its descriptor words, so ranks with and without registered buffers
-meet in one call. Before its first READY every rank also writes a header (collective, count,
-dtype, op, chunks): every rank compares all of them at the first chunk, and on a difference all
-raise CollectiveMismatchError alike, leaving the tier consistent.
+its own block r, where the peers read it at step 3; the rank then waits for every peer's DONE
+before it returns, since its array is the caller's again. Each rank says where its chunk lies
+(slot, or registration and offset) in its descriptor words, so ranks with and without
+registered buffers meet in one call. Before its first READY every rank also writes a header
+(collective, count, dtype, op, chunks): every rank compares all of them at the first chunk,
+and on a difference all raise CollectiveMismatchError alike, leaving the tier consistent.
 
 Cost (n bytes, p ranks, c = ceil(n / chunk) chunks; b = s per byte copied, g = s per byte
 reduced, f = one counter handoff between ranks):
