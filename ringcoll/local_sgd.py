@@ -86,7 +86,7 @@ class LocalSGD:
             self._anchor = {n: p.copy() for n, p in self.params.items()}
             self._outer = SGD(self._anchor, lr=float(outer_lr), momentum=float(outer_momentum),
                               nesterov=bool(nesterov))
-            self._delta = {n: p.copy() for n, p in self.params.items()}  # (scratch)
+            self._delta = {n: array_module(p).empty_like(p) for n, p in self.params.items()}
         self._state_digest = None
 
     def step(self, grads):

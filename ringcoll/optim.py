@@ -17,7 +17,7 @@ the same ufuncs in the same order, so a CuPy parameter gets NumPy's update up to
 rounding of the same operations. A gradient must live where its parameter does; its state and
 scratch are made there too. tests/test_optim.py runs its cases on NumPy and on
 tests/_fake_cupy.py (a CPU stand-in that refuses NumPy functions and mixed arrays, as CuPy
-does), bitwise equal; scripts/gpu_check.sh runs them on a real GPU.
+does), bitwise equal; scripts/gpu_check.sh trains with them on a real GPU (tests/mpi_dp_xp.py).
 
     opt = Adam(model_params, lr=1e-3)
     for batch in data:
