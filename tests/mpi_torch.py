@@ -17,6 +17,8 @@ Options: --groups a,b (run some groups; default: every group of GROUPS, not ERRO
 --report FILE (rank 0 writes {group: {"checks": n, "failures": [...], "seconds": s, "notes": [...]}}
 as JSON, after every group, so a later hang keeps the earlier results), --light (fewer cases,
 each size, root, mode and form still covered for every dtype: for P=3, 4 on 2 cores),
+--fake-device (every CPU tensor of the ringcoll groups takes the backend's GPU path, on
+tests/_fake_torch_cuda.py's fake device arrays: the same checks, through that path's code),
 --backend gloo (develop the suite against gloo: the same torch.distributed API; the cases gloo
 cannot do are skipped and counted on stdout), --sync-timeout S (a rank that finishes a group waits
 at most S seconds for the others, then the job aborts: a hang becomes a failure), --stall-timeout S
@@ -1409,6 +1411,10 @@ def init(backend):
     if backend == "ringcoll":
         import ringcoll.torch  # noqa: F401 - registers the backend, fills MASTER_ADDR/PORT
 
+        if ARGS.fake_device:
+            from _fake_torch_cuda import install
+
+            install()  # every ringcoll group's CPU tensors take the backend's GPU path
         dist.init_process_group("ringcoll")
     else:
         port = None
@@ -1424,12 +1430,22 @@ def init(backend):
     return env_before
 
 
+def fake_views():
+    """How many tensors --fake-device has viewed as device arrays so far (0 without it)."""
+    if not ARGS.fake_device:
+        return 0
+    from _fake_torch_cuda import FakeCudaMemory
+
+    return FakeCudaMemory.counts["arrays"]
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups")
     ap.add_argument("--report")
     ap.add_argument("--light", action="store_true")
+    ap.add_argument("--fake-device", action="store_true")
     ap.add_argument("--backend", default="ringcoll", choices=["ringcoll", "gloo"])
     ap.add_argument("--sync-timeout", type=float, default=60.0)
     ap.add_argument("--stall-timeout", type=float, default=30.0)
@@ -1454,6 +1470,7 @@ def main():
     for group in groups:
         start = time.time()
         CK.start(group)
+        views = fake_views()
         try:
             if group == "init":
                 check_init(env_before)
@@ -1462,6 +1479,10 @@ def main():
         except Exception as exc:  # noqa: BLE001 - a bug in a check, or an unexpected raise
             CK.check(False, f"unexpected {type(exc).__name__}: {short(exc, 600)}\n"
                      f"{traceback.format_exc()}")
+        if ARGS.fake_device and group not in ("init", "errors", "barrier") \
+                and not (group == "p2p" and P == 1):  # (those pass no tensor)
+            CK.check(fake_views() > views, f"--fake-device: [{group}] made no device view: "
+                     "its tensors did not take the backend's GPU path")
         sync(group, ARGS.sync_timeout)
         merge(group, round(time.time() - start, 3))
     try:

@@ -6,9 +6,12 @@ NumPy on inputs gathered with mpi4py, against a gloo group of the same job where
 all ranks agree bitwise); a second launch at P = 3 runs the "errors" group with
 RINGCOLL_DEBUG=1 (mismatched calls across ranks must raise, not hang). test_torch_launch asserts
 each launch's exit status, test_torch_group reports each group's failures on its own, so one broken
-collective does not hide the others. Every launch has a deadline: a hang kills its process group
-and fails the test. The launches' wall times, and what they measured (DDP's distance to its
-one-process reference), are printed in pytest's summary.
+collective does not hide the others. A third kind of launch, at P = 1, 2, 3, runs the same
+groups with --fake-device: every tensor through the backend's GPU path (CuPy-like views,
+bfloat16 widened, host-staged sends, streams handed to each call and settled), on
+tests/_fake_torch_cuda.py's fake device arrays. Every launch has a deadline: a hang kills its
+process group and fails the test. The launches' wall times, and what they measured (DDP's
+distance to its one-process reference), are printed in pytest's summary.
 
 The launches inherit no MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE: init_process_group("ringcoll")
 must work without them. To check the oracles themselves, run the worker on gloo:
@@ -35,6 +38,7 @@ WORKER = HERE / "mpi_torch.py"
 PS = [1, 2, 3, 4]
 LIGHT = {3, 4}  # more ranks than the 2 cores: fewer cases (every size, root, mode still)
 ERROR_PS = [3]
+FAKE_DEVICE_PS = [1, 2, 3]  # the GPU path's code on CPU tensors (tests/_fake_torch_cuda.py)
 LAUNCH_TIMEOUT = 150  # seconds per launch: a hang fails instead of blocking
 GROUPS = ["init", "all_reduce", "all_reduce_floats", "all_reduce_complex", "coalesced",
           "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
@@ -50,7 +54,9 @@ _RUNS = {}
 
 @pytest.fixture
 def torch_run(tmp_path_factory, mpi_timings, mpi_notes):
-    """The (cached) launch of mpi_torch.py at P ranks: kind "main" (GROUPS) or "errors"."""
+    """The (cached) launch of mpi_torch.py at P ranks: kind "main" (GROUPS), "fake-device"
+    (GROUPS, every tensor through the backend's GPU path on fake device arrays) or
+    "errors"."""
 
     def get(nprocs, kind="main"):
         key = (nprocs, kind)
@@ -61,8 +67,11 @@ def torch_run(tmp_path_factory, mpi_timings, mpi_notes):
             if kind == "errors":
                 extra += ["--groups", ",".join(ERROR_GROUPS)]
                 env["RINGCOLL_DEBUG"] = "1"
-            elif nprocs in LIGHT:
-                extra.append("--light")
+            else:
+                if kind == "fake-device":
+                    extra.append("--fake-device")
+                if nprocs in LIGHT:
+                    extra.append("--light")
             args = [WORKER, "--report", report, "--sync-timeout", "60", *extra]
             with pytest.MonkeyPatch.context() as mp:
                 for var in TORCH_ENV:
@@ -84,7 +93,8 @@ def tail(text, n=120):
     return "\n".join(text.splitlines()[-n:])
 
 
-LAUNCHES = [(p, "main") for p in PS] + [(p, "errors") for p in ERROR_PS]
+LAUNCHES = ([(p, "main") for p in PS] + [(p, "fake-device") for p in FAKE_DEVICE_PS]
+            + [(p, "errors") for p in ERROR_PS])
 
 
 @pytest.mark.parametrize("nprocs,kind", LAUNCHES)
@@ -95,6 +105,7 @@ def test_torch_launch(nprocs, kind, torch_run):
 
 
 CASES = ([(p, g, "main") for p in PS for g in GROUPS]
+         + [(p, g, "fake-device") for p in FAKE_DEVICE_PS for g in GROUPS]
          + [(p, g, "errors") for p in ERROR_PS for g in ERROR_GROUPS])
 
 

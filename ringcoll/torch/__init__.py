@@ -8,7 +8,8 @@ Under mpiexec this is all a PyTorch program needs::
     model = torch.nn.parallel.DistributedDataParallel(model)
 
 Every collective torch.distributed sends the group runs on ringcoll's algorithms, on NumPy views
-of the tensors' memory (process_group.py has the list and the details). Importing this module
+of CPU tensors' memory and CuPy views of CUDA tensors' (process_group.py has the list and the
+details). Importing this module
 fills what torch's default ``env://`` rendezvous reads, where the environment leaves it unset:
 RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE from MPI, and MASTER_ADDR/MASTER_PORT for
 torch's TCP store, chosen on rank 0 and broadcast over MPI (rendezvous.py). That broadcast makes
@@ -37,4 +38,4 @@ fill_env()
 if getattr(dist.Backend, BACKEND.upper(), None) is None:  # a second import registers nothing
     # extended_api: the creator is told the group's global ranks, which it needs to build the
     # MPI sub-communicator of a dist.new_group (only the members call it).
-    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu"])
+    dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])

@@ -4,9 +4,11 @@ torch hands a Python ProcessGroup subclass every collective of its group: dist.a
 friends, DDP's bucket all-reduces, FSDP's all-gathers and reduce-scatters, the functional
 collectives. Each method here turns the call into ringcoll ones:
 
-- tensors become NumPy views of their memory (``t.numpy()``; bfloat16 through ml_dtypes, bool
-  as uint8; data movement sends the bytes of any dtype), so a contiguous tensor is never copied.
-  A non-contiguous one is staged once (``t.contiguous()``) and its result copied back;
+- tensors become array views of their memory (no copy for a contiguous tensor): NumPy views
+  of CPU tensors (``t.numpy()``; bfloat16 through ml_dtypes), CuPy views of CUDA tensors on
+  ringcoll's device path, each call queued on the tensor's current stream (CudaMemory); bool
+  reduces as uint8, and data movement sends the bytes of any dtype. A non-contiguous tensor
+  is staged once (``t.contiguous()``) and its result copied back;
 - the collective is queued on the Communicator's background thread (its i-form), so it runs
   while the caller computes, every collective of the group in call order;
 - the returned Work (a torch Work subclass) holds a torch Future that the background thread
@@ -21,8 +23,9 @@ wildcard receive).
 
 Reductions: SUM, AVG (floats), PRODUCT, MIN, MAX, and BAND/BOR/BXOR of integers; bool tensors
 reduce as NCCL's do (SUM and MAX are a logical or, PRODUCT and MIN a logical and);
-PREMUL_SUM(f) multiplies the input by f, then sums. CUDA tensors are refused with a message:
-this backend runs CPU tensors (see docs/torch.md).
+PREMUL_SUM(f) multiplies the input by f, then sums. One call's tensors are on one device; a
+group takes CPU and CUDA tensors from call to call, as gloo's does, and every rank of one call
+must pass the same kind (see docs/torch.md).
 """
 
 import functools
@@ -93,71 +96,159 @@ def _poll():
                                    "50e-6, or 0 to block inside MPI") from None
 
 
-# -- tensors <-> NumPy views ----------------------------------------------------------------
-def _cpu(t, ctx):
+# -- where a call's tensors live: host or GPU memory ----------------------------------------
+class HostMemory:
+    """CPU tensors: NumPy views of their memory; a collective runs as called."""
+
+    host = True
+    bfloat16 = BFLOAT16 is not None  # reduced as such through ml_dtypes
+
+    def array(self, t):
+        """A zero-copy array of contiguous, detached t (not bool; bfloat16 only if
+        self.bfloat16)."""
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(BFLOAT16)
+        return t.numpy()
+
+    def stream(self, t):
+        return None
+
+    def run(self, stream, comm, name, *args, **kwargs):
+        return getattr(comm, name)(*args, **kwargs)
+
+    def settle(self, stream, later):
+        for fn in later:
+            fn()
+
+
+class CudaMemory:
+    """CUDA tensors: CuPy views of their memory (``cupy.asarray`` through torch's
+    ``__cuda_array_interface__``, no copy) on ringcoll's device path (the node tier through
+    CUDA IPC on one node, else device buffers to MPI, CUDA-aware or staged; see docs/gpu.md).
+
+    Streams, as NCCL orders its calls: each collective is queued on the tensor's current torch
+    stream (CuPy is handed it as an ExternalStream while the call is made, and ringcoll's
+    device path records and waits for events on it), so it reads what the kernels queued
+    before it wrote. Its Work completes once its results are in device memory: the copies
+    that finish the call (a staged tensor's copy back) run on that stream, which the
+    background thread then synchronises, so wait() and the future's value are safe on any
+    stream. CuPy has no bfloat16: a bfloat16 reduction runs in float32 on the device.
+    """
+
+    host = False
+    bfloat16 = False
+
+    def __init__(self, cupy):
+        self.cupy = cupy
+
+    def array(self, t):
+        if t.numel() == 0:  # (an empty tensor may have no pointer for CuPy to take)
+            dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+            with self.cupy.cuda.Device(t.device.index):
+                return self.cupy.empty(tuple(t.shape), dtype)
+        return self.cupy.asarray(t)
+
+    def stream(self, t):
+        return torch.cuda.current_stream(t.device)
+
+    def run(self, stream, comm, name, *args, **kwargs):
+        cuda = self.cupy.cuda
+        with cuda.Device(stream.device.index), \
+                cuda.ExternalStream(stream.cuda_stream, stream.device.index):
+            return getattr(comm, name)(*args, **kwargs)
+
+    def settle(self, stream, later):
+        with torch.cuda.stream(stream):
+            for fn in later:
+                fn()
+        stream.synchronize()
+
+
+def _cuda_memory(ctx):
+    try:
+        import cupy
+    except ImportError:
+        raise InvalidTypeError(
+            f"{ctx}CUDA tensors run on ringcoll's CuPy path, and CuPy is not installed: pip "
+            "install cupy-cuda12x (or cupy-cuda13x, as your CUDA), or move the tensors to "
+            "the CPU with .cpu()") from None
+    return CudaMemory(cupy)
+
+
+#: a call's memory, by its tensors' device type (made on the group's first such call)
+MEMORIES = {"cpu": lambda ctx: HostMemory(), "cuda": _cuda_memory}
+
+
+def _check(t, ctx):
     if not isinstance(t, torch.Tensor):
         raise InvalidTypeError(f"{ctx}expected a torch.Tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise InvalidTypeError(
-            f"{ctx}a tensor on {t.device}: the ringcoll backend runs CPU tensors; move it with "
-            ".cpu() (and the result back), or run CUDA tensors on a group of a CUDA backend "
-            "(dist.new_group(backend='nccl'))")
     if t.layout != torch.strided:
         raise InvalidTypeError(f"{ctx}a {t.layout} tensor: ringcoll sends dense (strided) "
                                "tensors only; call .to_dense() first")
 
 
-def _array(t, ctx):
-    """A NumPy view of contiguous CPU tensor t for a reduction (same shape)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16 and BFLOAT16 is not None:
-        return t.view(torch.int16).numpy().view(BFLOAT16)
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8).numpy()
-    try:
-        return t.numpy()
-    except TypeError:
-        raise InvalidTypeError(f"{ctx}ringcoll cannot reduce {t.dtype} tensors (no NumPy type); "
-                               "convert to float32 or another NumPy dtype first") from None
-
-
-def _bytes(t):
-    """The bytes of contiguous CPU tensor t, as a 1-D uint8 NumPy view (any dtype)."""
+def _byte_tensor(t):
+    """The bytes of contiguous tensor t, as a 1-D uint8 tensor (any dtype)."""
     if t.numel() == 0:  # (an empty tensor may have stride 0, which view() refuses)
-        return np.empty(0, np.uint8)
-    return t.detach().reshape(-1).view(torch.uint8).numpy()
+        return t.new_empty(0, dtype=torch.uint8)
+    return t.detach().reshape(-1).view(torch.uint8)
 
 
-class _Staging:
-    """Contiguous stand-ins for non-contiguous tensors, copied back once the collective has
-    run (on the background thread, before the Work completes)."""
+class _Call:
+    """One call's tensors as arrays of their memory, and what finishes the call: contiguous
+    stand-ins for non-contiguous tensors and float32 ones for bfloat16 on a GPU, copied back
+    once the collective has run (on the background thread, before the Work completes)."""
 
-    def __init__(self):
+    def __init__(self, memory, stream):
+        self.memory, self.stream = memory, stream
         self.later = []  # what finish() runs, in order: copies into the caller's tensors
 
-    def contiguous(self, t, ctx, output=True):
-        _cpu(t, ctx)
+    def contiguous(self, t, output=True):
         if t.is_contiguous():
             return t
         c = t.contiguous()
         if output:
-            self.later.append(lambda: t.copy_(c))
+            self.later.insert(0, lambda: t.copy_(c))  # inner copies (array's) go first
         return c
 
+    def array(self, t, ctx, output=True):
+        """An array view of contiguous t for a reduction (same shape): bool as uint8 0/1,
+        bfloat16 widened to a float32 copy where the memory has no bfloat16."""
+        t = t.detach()
+        if t.dtype == torch.bool:
+            t = t.view(torch.uint8)
+        elif t.dtype == torch.bfloat16 and not self.memory.bfloat16:
+            if not self.memory.host:  # the GPU: reduce in float32, round once at the end
+                wide = t.float()
+                if output:
+                    self.later.insert(0, lambda: t.copy_(wide))
+                return self.memory.array(wide)
+            raise InvalidTypeError(f"{ctx}bfloat16 tensors need the ml_dtypes package on the "
+                                   "host: pip install ml_dtypes")
+        try:
+            return self.memory.array(t)
+        except TypeError:
+            raise InvalidTypeError(f"{ctx}ringcoll cannot reduce {t.dtype} tensors (no NumPy "
+                                   "type); convert to float32 or another NumPy dtype "
+                                   "first") from None
+
+    def bytes(self, t):
+        """The bytes of contiguous tensor t, as a 1-D uint8 array view (any dtype)."""
+        return self.memory.array(_byte_tensor(t))
+
     def unpack(self, buf, outs, counts):
-        """Once the collective has run, copy buf's consecutive byte blocks into outs."""
+        """Once the collective has run, copy uint8 tensor buf's consecutive byte blocks into
+        outs."""
         def copy():
             start = 0
             for o, n in zip(outs, counts):
                 if n:  # (an empty block: nothing to copy, and no byte view of it to take)
-                    o.copy_(torch.from_numpy(buf[start:start + n]).view(o.dtype)
-                            .reshape(o.shape))
+                    o.copy_(buf[start:start + n].view(o.dtype).reshape(o.shape))
                 start += n
         self.later.append(copy)
 
     def finish(self):
-        for copy in self.later:
-            copy()
+        self.memory.settle(self.stream, self.later)
 
 
 def _op_name(op, dtype, ctx):
@@ -210,6 +301,7 @@ class ProcessGroup(dist.ProcessGroup):
         self.comm = comm
         self.ranks = ranks  # global (MPI) ranks of the members, in group order
         self._waiter = None  # the thread that completes point-to-point Works, once needed
+        self._memories = {}  # device type -> its HostMemory or CudaMemory, made on first use
         self._lock = threading.Lock()
         self._group_name = self._group_desc = ""
 
@@ -236,17 +328,44 @@ class ProcessGroup(dist.ProcessGroup):
     def _ctx(self, call):
         return where(self.comm.rank, call)
 
-    def _start(self, opts, collective, *args, **kwargs):
-        """comm.<collective>(...) for a call torch waits for at once (opts.asyncOp False:
-        dist.all_reduce(t) and the others without async_op=True), run here and now (behind any
-        pending non-blocking ones: the Communicator keeps call order), so a small blocking call
-        pays no hand-off to the background thread; else comm.i<collective>(...) on it (DDP's
-        buckets, async_op=True, and calls from C++)."""
-        if opts is not None and not opts.asyncOp:
-            return _Done(getattr(self.comm, collective)(*args, **kwargs))
-        return getattr(self.comm, "i" + collective)(*args, **kwargs)
+    def _call(self, ctx, *tensors):
+        """The _Call of a call on tensors (lists of them flattened; None skipped): each a
+        dense tensor, all on one device, whose memory (host or GPU) the call runs in."""
+        flat = []
+        for t in tensors:
+            if isinstance(t, (list, tuple)):
+                flat.extend(t)
+            elif t is not None:
+                flat.append(t)
+        for t in flat:
+            _check(t, ctx)
+        devices = {t.device for t in flat}
+        if len(devices) > 1:
+            raise InvalidArgumentError(
+                f"{ctx}tensors on {', '.join(sorted(map(str, devices)))}: one call's tensors "
+                "must be on one device (as gloo's and NCCL's); move them with .to(device)")
+        device = devices.pop() if devices else torch.device("cpu")
+        memory = self._memories.get(device.type)
+        if memory is None:
+            make = MEMORIES.get(device.type)
+            if make is None:
+                raise InvalidTypeError(
+                    f"{ctx}a tensor on {device}: the ringcoll backend runs CPU and CUDA "
+                    "tensors; move it with .cpu() (and the result back)")
+            memory = self._memories[device.type] = make(ctx)
+        return _Call(memory, memory.stream(flat[0]) if flat else None)
 
-    def _work(self, requests, result, staging=None):
+    def _start(self, opts, call, collective, *args, **kwargs):
+        """comm.<collective>(...) in call's memory, for a call torch waits for at once
+        (opts.asyncOp False: dist.all_reduce(t) and the others without async_op=True), run
+        here and now (behind any pending non-blocking ones: the Communicator keeps call
+        order), so a small blocking call pays no hand-off to the background thread; else
+        comm.i<collective>(...) on it (DDP's buckets, async_op=True, and calls from C++)."""
+        if opts is not None and not opts.asyncOp:
+            return _Done(call.memory.run(call.stream, self.comm, collective, *args, **kwargs))
+        return call.memory.run(call.stream, self.comm, "i" + collective, *args, **kwargs)
+
+    def _work(self, requests, result, call=None):
         """A Work completed by the background thread once the last of requests (queued in
         order: it finishes last) has: staged outputs copied back, then the future set."""
         work = Work(result, self._ctx)
@@ -255,8 +374,8 @@ class ProcessGroup(dist.ProcessGroup):
             try:
                 for r in requests:
                     r.wait()  # all finished: returns at once, or raises the collective's error
-                if staging is not None:
-                    staging.finish()
+                if call is not None:
+                    call.finish()
             except BaseException as exc:  # noqa: B036 - every failure must reach the future
                 work._finish(exc)
                 return
@@ -272,12 +391,13 @@ class ProcessGroup(dist.ProcessGroup):
     @_collective("allreduce")
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        ctx, staging, reqs = self._ctx("allreduce"), _Staging(), []
+        ctx = self._ctx("allreduce")
+        call, reqs = self._call(ctx, tensors), []
         for t in tensors:
             name = _op_name(opts.reduceOp, t.dtype, ctx)
-            x = _array(_premul(opts.reduceOp, staging.contiguous(t, ctx)), ctx)
-            reqs.append(self._start(opts, "allreduce", x, name, out=x))
-        return self._work(reqs, tensors, staging)
+            x = call.array(_premul(opts.reduceOp, call.contiguous(t)), ctx)
+            reqs.append(self._start(opts, call, "allreduce", x, name, out=x))
+        return self._work(reqs, tensors, call)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts or dist.AllreduceCoalescedOptions())
@@ -285,46 +405,48 @@ class ProcessGroup(dist.ProcessGroup):
     @_collective("reduce")
     def reduce(self, tensors, opts=None):
         opts = opts or dist.ReduceOptions()
-        ctx, staging, reqs = self._ctx("reduce"), _Staging(), []
+        ctx = self._ctx("reduce")
+        call, reqs = self._call(ctx, tensors), []
         root = self.comm.rank == opts.rootRank
         for t in tensors:  # the result lands in root's tensor; the others keep their values
             name = _op_name(opts.reduceOp, t.dtype, ctx)
-            c = _premul(opts.reduceOp, staging.contiguous(t, ctx, output=root), keep=not root)
-            x = _array(c, ctx)
-            reqs.append(self._start(opts, "reduce", x, name, opts.rootRank,
+            c = _premul(opts.reduceOp, call.contiguous(t, output=root), keep=not root)
+            x = call.array(c, ctx, output=root)
+            reqs.append(self._start(opts, call, "reduce", x, name, opts.rootRank,
                                     out=x if root else None))
-        return self._work(reqs, tensors, staging)
+        return self._work(reqs, tensors, call)
 
-    def _reduce_scatter_into(self, out, flat, opts, ctx, staging, counts=None, keep=True):
+    def _reduce_scatter_into(self, out, flat, opts, ctx, call, counts=None, keep=True):
         """reduce_scatter of contiguous flat into out; keep: flat is the caller's input."""
-        c = staging.contiguous(out, ctx)
+        c = call.contiguous(out)
         name = _op_name(opts.reduceOp, flat.dtype, ctx)
         flat = _premul(opts.reduceOp, flat, keep)
-        return self._start(opts, "reduce_scatter", _array(flat, ctx).reshape(-1), name,
-                           out=_array(c, ctx).reshape(-1), counts=counts)
+        return self._start(opts, call, "reduce_scatter",
+                           call.array(flat, ctx, output=False).reshape(-1), name,
+                           out=call.array(c, ctx).reshape(-1), counts=counts)
 
     @_collective("reduce_scatter")
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        ctx, staging, reqs = self._ctx("reduce_scatter"), _Staging(), []
+        ctx = self._ctx("reduce_scatter")
+        call, reqs = self._call(ctx, output_tensors, *input_tensors), []
         for out, ins in zip(output_tensors, input_tensors):
-            for i in ins:
-                _cpu(i, ctx)
             flat = torch.cat([i.reshape(-1) for i in ins]) if ins else out.new_empty(0)
-            reqs.append(self._reduce_scatter_into(out, flat, opts, ctx, staging,
+            reqs.append(self._reduce_scatter_into(out, flat, opts, ctx, call,
                                                   counts=[i.numel() for i in ins], keep=False))
-        return self._work(reqs, output_tensors, staging)
+        return self._work(reqs, output_tensors, call)
 
     @_collective("reduce_scatter")
-    def _reduce_scatter_tensors(self, outputs, inputs, opts, call):
+    def _reduce_scatter_tensors(self, outputs, inputs, opts, name):
         """reduce_scatter_tensor and its coalesced form: input i's blocks, reduced, into
         output i."""
         opts = opts or dist.ReduceScatterOptions()
-        ctx, staging, reqs = self._ctx(call), _Staging(), []
+        ctx = self._ctx(name)
+        call, reqs = self._call(ctx, outputs, inputs), []
         for out, inp in zip(outputs, inputs):
-            flat = staging.contiguous(inp, ctx, output=False)
-            reqs.append(self._reduce_scatter_into(out, flat, opts, ctx, staging))
-        return self._work(reqs, outputs, staging)
+            flat = call.contiguous(inp, output=False)
+            reqs.append(self._reduce_scatter_into(out, flat, opts, ctx, call))
+        return self._work(reqs, outputs, call)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         return self._reduce_scatter_tensors([output], [input], opts, "reduce_scatter_tensor")
@@ -343,46 +465,46 @@ class ProcessGroup(dist.ProcessGroup):
     @_collective("broadcast")
     def broadcast(self, tensors, opts=None):
         opts = opts or dist.BroadcastOptions()
-        ctx, staging, reqs = self._ctx("broadcast"), _Staging(), []
+        ctx = self._ctx("broadcast")
+        call, reqs = self._call(ctx, tensors), []
         for t in tensors:
-            x = _bytes(staging.contiguous(t, ctx))
-            reqs.append(self._start(opts, "broadcast", x, opts.rootRank))
-        return self._work(reqs, tensors, staging)
+            x = call.bytes(call.contiguous(t))
+            reqs.append(self._start(opts, call, "broadcast", x, opts.rootRank))
+        return self._work(reqs, tensors, call)
 
-    def _gather_into(self, outs, inp, ctx, staging, opts, root=None):
+    def _gather_into(self, outs, inp, call, opts, root=None):
         """All-gather (root None) or gather of inp's bytes into the list outs, rank order."""
-        src = _bytes(staging.contiguous(inp, ctx, output=False))
-        for o in outs:
-            _cpu(o, ctx)
+        src = call.bytes(call.contiguous(inp, output=False))
         counts = [o.nbytes for o in outs]
-        buf = np.empty(sum(counts), np.uint8)
-        staging.unpack(buf, outs, counts)
+        buf = inp.new_empty(sum(counts), dtype=torch.uint8)
+        call.unpack(buf, outs, counts)
         if root is None:
-            return self._start(opts, "allgather", src, out=buf, counts=counts)
+            return self._start(opts, call, "allgather", src, out=call.bytes(buf), counts=counts)
         on_root = self.comm.rank == root
-        return self._start(opts, "gather", src, root, out=buf if on_root else None,
+        return self._start(opts, call, "gather", src, root,
+                           out=call.bytes(buf) if on_root else None,
                            counts=counts if on_root else None)
 
     @_collective("allgather")
     def allgather(self, output_tensors, input_tensors, opts=None):
-        ctx, staging, reqs = self._ctx("allgather"), _Staging(), []
-        for outs, inp in zip(output_tensors, input_tensors):
-            reqs.append(self._gather_into(outs, inp, ctx, staging, opts))
-        return self._work(reqs, output_tensors, staging)
+        call = self._call(self._ctx("allgather"), *output_tensors, input_tensors)
+        reqs = [self._gather_into(outs, inp, call, opts)
+                for outs, inp in zip(output_tensors, input_tensors)]
+        return self._work(reqs, output_tensors, call)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
 
     @_collective("allgather")
-    def _allgather_tensors(self, outputs, inputs, opts, call):
+    def _allgather_tensors(self, outputs, inputs, opts, name):
         """all_gather_into_tensor and its coalesced form: every rank's input i, in rank
         order, straight into output i."""
-        ctx, staging, reqs = self._ctx(call), _Staging(), []
+        call, reqs = self._call(self._ctx(name), outputs, inputs), []
         for out, inp in zip(outputs, inputs):
-            src = _bytes(staging.contiguous(inp, ctx, output=False))
-            dst = _bytes(staging.contiguous(out, ctx))
-            reqs.append(self._start(opts, "allgather", src, out=dst))
-        return self._work(reqs, outputs, staging)
+            src = call.bytes(call.contiguous(inp, output=False))
+            dst = call.bytes(call.contiguous(out))
+            reqs.append(self._start(opts, call, "allgather", src, out=dst))
+        return self._work(reqs, outputs, call)
 
     def _allgather_base(self, output, input, opts=None):
         return self._allgather_tensors([output], [input], opts, "all_gather_into_tensor")
@@ -400,69 +522,71 @@ class ProcessGroup(dist.ProcessGroup):
     @_collective("gather")
     def gather(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.GatherOptions()
-        ctx, staging = self._ctx("gather"), _Staging()
+        ctx = self._ctx("gather")
         root = opts.rootRank
         outs = output_tensors[0] if self.comm.rank == root else []
         if self.comm.rank == root and len(outs) != self.comm.size:
             raise InvalidArgumentError(f"{ctx}root needs {self.comm.size} output tensors, got "
                                        f"{len(outs)}")
-        req = self._gather_into(outs, input_tensors[0], ctx, staging, opts, root=root)
-        return self._work([req], output_tensors, staging)
+        call = self._call(ctx, outs, input_tensors)
+        req = self._gather_into(outs, input_tensors[0], call, opts, root=root)
+        return self._work([req], output_tensors, call)
 
     @_collective("scatter")
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = opts or dist.ScatterOptions()
-        ctx, staging = self._ctx("scatter"), _Staging()
+        ctx = self._ctx("scatter")
         root, out = opts.rootRank, output_tensors[0]
+        ins = input_tensors[0] if self.comm.rank == root else []
+        if self.comm.rank == root and len(ins) != self.comm.size:
+            raise InvalidArgumentError(f"{ctx}root needs {self.comm.size} input tensors, "
+                                       f"got {len(ins)}")
+        call = self._call(ctx, out, ins)
         x = counts = None
         if self.comm.rank == root:
-            ins = input_tensors[0]
-            if len(ins) != self.comm.size:
-                raise InvalidArgumentError(f"{ctx}root needs {self.comm.size} input tensors, "
-                                           f"got {len(ins)}")
-            for i in ins:
-                _cpu(i, ctx)
-            x = np.concatenate([_bytes(i.contiguous()) for i in ins])
+            x = call.bytes(torch.cat([_byte_tensor(i.contiguous()) for i in ins]))
             counts = [i.nbytes for i in ins]
-        dst = _bytes(staging.contiguous(out, ctx))
-        req = self._start(opts, "scatter", x, root, counts=counts, out=dst)
-        return self._work([req], output_tensors, staging)
+        dst = call.bytes(call.contiguous(out))
+        req = self._start(opts, call, "scatter", x, root, counts=counts, out=dst)
+        return self._work([req], output_tensors, call)
 
     @_collective("alltoallv")
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        ctx, staging = self._ctx("alltoall"), _Staging()
-        for t in [*output_tensors, *input_tensors]:
-            _cpu(t, ctx)
-        x = np.concatenate([_bytes(i.contiguous()) for i in input_tensors]) if input_tensors \
-            else np.empty(0, np.uint8)
+        call = self._call(self._ctx("alltoall"), output_tensors, input_tensors)
+        if input_tensors:
+            x = torch.cat([_byte_tensor(i.contiguous()) for i in input_tensors])
+        else:
+            x = torch.empty(0, dtype=torch.uint8,
+                            device=output_tensors[0].device if output_tensors else "cpu")
         counts = [i.nbytes for i in input_tensors]
         recv = [o.nbytes for o in output_tensors]
-        buf = np.empty(sum(recv), np.uint8)
-        staging.unpack(buf, output_tensors, recv)
-        req = self._start(opts, "alltoallv", x, counts, out=buf, recv_counts=recv)
-        return self._work([req], output_tensors, staging)
+        buf = x.new_empty(sum(recv))
+        call.unpack(buf, output_tensors, recv)
+        req = self._start(opts, call, "alltoallv", call.bytes(x), counts, out=call.bytes(buf),
+                          recv_counts=recv)
+        return self._work([req], output_tensors, call)
 
     @_collective("alltoallv")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        ctx, staging = self._ctx("all_to_all_single"), _Staging()
-        p = self.comm.size
-        src = staging.contiguous(input, ctx, output=False)
-        dst = staging.contiguous(output, ctx)
+        ctx = self._ctx("all_to_all_single")
+        call, p = self._call(ctx, output, input), self.comm.size
+        src = call.contiguous(input, output=False)
+        dst = call.contiguous(output)
         rows_in, rows_out = _split_rows(src, input_split_sizes, p, ctx, "input"), \
             _split_rows(dst, output_split_sizes, p, ctx, "output")
-        x, y = _rows(src), _rows(dst)
-        req = self._start(opts, "alltoallv", x, rows_in, out=y, recv_counts=rows_out)
-        return self._work([req], [output], staging)
+        x, y = _rows(call, src), _rows(call, dst)
+        req = self._start(opts, call, "alltoallv", x, rows_in, out=y, recv_counts=rows_out)
+        return self._work([req], [output], call)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
         return self.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts)
 
     def barrier(self, opts=None):
-        return self._work([self._start(opts, "barrier")], [])
+        return self._work([self._start(opts, _Call(HostMemory(), None), "barrier")], [])
 
     # -- point-to-point -------------------------------------------------------------------
-    def _p2p(self, request, result, staging=None):
+    def _p2p(self, request, result, call=None):
         """A Work that a second thread completes once request has (sends and receives are
         MPI requests, posted already: waiting for them in order blocks nothing)."""
         work = Work(result, self._ctx)
@@ -470,8 +594,8 @@ class ProcessGroup(dist.ProcessGroup):
         def finish():
             try:
                 request.wait()
-                if staging is not None:
-                    staging.finish()
+                if call is not None:
+                    call.finish()
             except BaseException as exc:  # noqa: B036
                 work._finish(exc)
                 return
@@ -483,17 +607,27 @@ class ProcessGroup(dist.ProcessGroup):
             self._waiter.submit(finish)
         return work
 
+    # Sends and receives travel through host memory: ringcoll's point-to-point messages are
+    # NumPy arrays. A CUDA tensor is copied to the host before its send (on its current
+    # stream, which that copy synchronises) and a receive copied back on it, as gloo does.
     def send(self, tensors, dstRank, tag=0):
         ctx = self._ctx("send")
         (t,) = tensors
-        c = _Staging().contiguous(t, ctx, output=False)
-        return self._p2p(self.comm.isend(_bytes(c), dstRank, tag), tensors)
+        call = self._call(ctx, t)
+        c = call.contiguous(t, output=False).detach()
+        if not call.memory.host:
+            c = c.cpu()
+        return self._p2p(self.comm.isend(_byte_tensor(c).numpy(), dstRank, tag), tensors)
 
     def recv(self, tensors, srcRank, tag=0):
-        ctx, staging = self._ctx("recv"), _Staging()
+        ctx = self._ctx("recv")
         (t,) = tensors
-        c = staging.contiguous(t, ctx)
-        return self._p2p(self.comm.irecv(_bytes(c), srcRank, tag), tensors, staging)
+        call = self._call(ctx, t)
+        c = call.contiguous(t)
+        if not call.memory.host:
+            device, c = c, torch.empty(c.shape, dtype=c.dtype)
+            call.later.insert(0, lambda: device.copy_(c))
+        return self._p2p(self.comm.irecv(_byte_tensor(c).numpy(), srcRank, tag), tensors, call)
 
     def recv_anysource(self, tensors, tag=0):
         raise InvalidArgumentError(
@@ -575,7 +709,8 @@ class Work(dist._Work):
         return self._result
 
     def synchronize(self):
-        """Nothing to do: CPU tensors, and wait() is what blocks."""
+        """Nothing to do: a Work completes with its results in memory (a CUDA call's stream
+        synchronised), and wait() is what blocks."""
 
 
 def _split_rows(t, sizes, p, ctx, which):
@@ -593,7 +728,7 @@ def _split_rows(t, sizes, p, ctx, which):
     return [rows // p] * p
 
 
-def _rows(t):
-    """t's bytes as a 2-D uint8 view: one row per slice of dim 0."""
+def _rows(call, t):
+    """t's bytes as a 2-D uint8 array view: one row per slice of dim 0."""
     rows = t.shape[0] if t.dim() else 1
-    return _bytes(t).reshape(rows, int(np.prod(t.shape[1:])) * t.element_size())
+    return call.bytes(t).reshape(rows, int(np.prod(t.shape[1:])) * t.element_size())
