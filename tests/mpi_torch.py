@@ -17,7 +17,8 @@ Options: --groups a,b (run some groups; default: every group of GROUPS, not ERRO
 --report FILE (rank 0 writes {group: {"checks": n, "failures": [...], "seconds": s, "notes": [...]}}
 as JSON, after every group, so a later hang keeps the earlier results), --light (fewer cases,
 each size, root, mode and form still covered for every dtype: for P=3, 4 on 2 cores),
---fake-device (every CPU tensor of the ringcoll groups takes the backend's GPU path, on
+--device cuda (every tensor the checks make on this rank's GPU: the backend's CUDA path under
+scripts/gpu_check.sh, DDP also over gloo on the same tensors), --fake-device (every CPU tensor of the ringcoll groups takes the backend's GPU path, on
 tests/_fake_torch_cuda.py's fake device arrays: the same checks, through that path's code),
 --backend gloo (develop the suite against gloo: the same torch.distributed API; the cases gloo
 cannot do are skipped and counted on stdout), --sync-timeout S (a rank that finishes a group waits
@@ -195,8 +196,9 @@ def summary(a, n=6):
 # tensors <-> NumPy, inputs and oracles
 # ---------------------------------------------------------------------------------------------
 def to_np(t):
-    """A NumPy copy of tensor t (bfloat16 as ml_dtypes.bfloat16), whatever its strides."""
-    t = t.detach().contiguous()
+    """A NumPy copy of tensor t (bfloat16 as ml_dtypes.bfloat16), whatever its strides and
+    device."""
+    t = t.detach().cpu().contiguous()
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().copy().view(O.BFLOAT16)
     return t.numpy().copy()
@@ -205,8 +207,8 @@ def to_np(t):
 def from_np(a):
     a = np.ascontiguousarray(a)
     if a.dtype == O.BFLOAT16:
-        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16)
-    return torch.from_numpy(a.copy())
+        return torch.from_numpy(a.view(np.int16).copy()).view(torch.bfloat16).to(DEVICE)
+    return torch.from_numpy(a.copy()).to(DEVICE)
 
 
 def make(seed, rank, shape, dt, op="SUM"):
@@ -215,7 +217,7 @@ def make(seed, rank, shape, dt, op="SUM"):
     nd = NP[dt]
     if dt == torch.bool:
         rng = O.rng_for(seed, rank)
-        return torch.from_numpy(rng.random(shape) < 0.7)
+        return torch.from_numpy(rng.random(shape) < 0.7).to(DEVICE)
     return from_np(O.make_input(seed, rank, shape, nd, ONAME.get(op, "sum")))
 
 
@@ -1128,7 +1130,7 @@ def check_device_mesh():
     shape = (2, P // 2) if P % 2 == 0 else (P,)
     names = ("dp", "tp") if len(shape) == 2 else ("dp",)
     mesh = CK.attempt(f"init_device_mesh cpu {shape}",
-                      lambda: init_device_mesh("cpu", shape, mesh_dim_names=names))
+                      lambda: init_device_mesh(DEVICE.type, shape, mesh_dim_names=names))
     if mesh is None:
         return
     grid = np.arange(P).reshape(shape)
@@ -1215,10 +1217,10 @@ def ddp_model(seed):
 
 
 def ddp_data(steps):
-    g = torch.Generator().manual_seed(123)
-    x = torch.randn(steps * DDP_BATCH, 20, generator=g)
-    y = torch.randn(steps * DDP_BATCH, 4, generator=g)
-    return x, y
+    g = torch.Generator().manual_seed(123)  # on the host: the same data on any device
+    x = torch.randn(steps * DDP_BATCH, 20, generator=g, device="cpu")
+    y = torch.randn(steps * DDP_BATCH, 4, generator=g, device="cpu")
+    return x.to(DEVICE), y.to(DEVICE)
 
 
 def ddp_reference(accumulate):
@@ -1251,6 +1253,8 @@ def check_ddp():
                 # lr 0.1, momentum 0.9: well below 1e-3 on these parameters (measured ~1e-5)
                 ("fp16_compress_hook", {}, default_hooks.fp16_compress_hook, False, 1e-3),
                 ("no_sync one micro-batch, then sync", {}, None, True, DDP_TOL)]
+    if DEVICE.type != "cpu":  # the oracle the GPU run adds: DDP over gloo on the same tensors
+        variants.append(("over gloo (oracle)", {"process_group": GLOO}, None, False, DDP_TOL))
     refs = {acc: ddp_reference(acc) for acc in (False, True)}
     for name, kwargs, hook, accumulate, tol in variants:
         label = f"DDP {name}"
@@ -1403,6 +1407,7 @@ def finish_and_exit(code=None):
 
 
 GLOO = None
+DEVICE = torch.device("cpu")  # where the checks' tensors live (--device)
 
 
 def init(backend):
@@ -1430,6 +1435,23 @@ def init(backend):
     return env_before
 
 
+def use_gpu():
+    """--device cuda: this rank on GPU (its rank on the node mod the GPUs), every tensor the
+    checks make there (torch's default device; from_np moves NumPy-made inputs)."""
+    global DEVICE
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (a CPU-only torch build?)")
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    gpu = local.Get_rank() % torch.cuda.device_count()
+    local.Free()
+    torch.cuda.set_device(gpu)
+    import cupy
+
+    cupy.cuda.Device(gpu).use()
+    DEVICE = torch.device("cuda", gpu)
+    torch.set_default_device(DEVICE)
+
+
 def fake_views():
     """How many tensors --fake-device has viewed as device arrays so far (0 without it)."""
     if not ARGS.fake_device:
@@ -1446,10 +1468,13 @@ def main():
     ap.add_argument("--report")
     ap.add_argument("--light", action="store_true")
     ap.add_argument("--fake-device", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--backend", default="ringcoll", choices=["ringcoll", "gloo"])
     ap.add_argument("--sync-timeout", type=float, default=60.0)
     ap.add_argument("--stall-timeout", type=float, default=30.0)
     ARGS = ap.parse_args()
+    if ARGS.device == "cuda":
+        use_gpu()
     threading.Thread(target=watchdog, args=(ARGS.stall_timeout,), daemon=True).start()
     groups = ARGS.groups.split(",") if ARGS.groups else GROUPS
     unknown = set(groups) - set(GROUPS) - set(ERROR_GROUPS)

@@ -126,13 +126,18 @@ class CudaMemory:
     ``__cuda_array_interface__``, no copy) on ringcoll's device path (the node tier through
     CUDA IPC on one node, else device buffers to MPI, CUDA-aware or staged; see docs/gpu.md).
 
-    Streams, as NCCL orders its calls: each collective is queued on the tensor's current torch
-    stream (CuPy is handed it as an ExternalStream while the call is made, and ringcoll's
-    device path records and waits for events on it), so it reads what the kernels queued
-    before it wrote. Its Work completes once its results are in device memory: the copies
-    that finish the call (a staged tensor's copy back) run on that stream, which the
-    background thread then synchronises, so wait() and the future's value are safe on any
-    stream. CuPy has no bfloat16: a bfloat16 reduction runs in float32 on the device.
+    Streams, as NCCL orders its calls: the group's collectives on one GPU run on a stream of
+    their own, which first waits (an event, not the host) for what the caller's current stream
+    has queued, so a collective reads what the kernels before it wrote, and the caller's
+    stream is never held up by a collective (DDP's backward goes on while its buckets are
+    reduced). CuPy is handed that stream as an ExternalStream while the call is made, and
+    ringcoll's device path records and waits for its events there. A Work completes once its
+    results are in device memory: the copies that finish the call (a staged tensor's copy
+    back) run on the collective's stream, which the background thread then synchronises, so
+    wait() and the future's value are safe on any stream. The call keeps the tensors it made
+    until then (torch's allocator must not hand their memory to the caller's stream while the
+    collective's stream still uses it). CuPy has no bfloat16: a bfloat16 reduction runs in
+    float32 on the device.
     """
 
     host = False
@@ -140,6 +145,7 @@ class CudaMemory:
 
     def __init__(self, cupy):
         self.cupy = cupy
+        self.streams = {}  # GPU index -> the stream this group's collectives run on there
 
     def array(self, t):
         if t.numel() == 0:  # (an empty tensor may have no pointer for CuPy to take)
@@ -149,9 +155,13 @@ class CudaMemory:
         return self.cupy.asarray(t)
 
     def stream(self, t):
-        return torch.cuda.current_stream(t.device)
+        stream = self.streams.get(t.device.index)
+        if stream is None:
+            stream = self.streams[t.device.index] = torch.cuda.Stream(t.device)
+        return stream
 
     def run(self, stream, comm, name, *args, **kwargs):
+        stream.wait_stream(torch.cuda.current_stream(stream.device))  # the inputs, made so far
         cuda = self.cupy.cuda
         with cuda.Device(stream.device.index), \
                 cuda.ExternalStream(stream.cuda_stream, stream.device.index):
@@ -202,6 +212,7 @@ class _Call:
     def __init__(self, memory, stream):
         self.memory, self.stream = memory, stream
         self.later = []  # what finish() runs, in order: copies into the caller's tensors
+        self.keep = []  # the tensors viewed, alive until the call has finished
 
     def contiguous(self, t, output=True):
         if t.is_contiguous():
@@ -222,11 +233,11 @@ class _Call:
                 wide = t.float()
                 if output:
                     self.later.insert(0, lambda: t.copy_(wide))
-                return self.memory.array(wide)
+                return self._view(wide)
             raise InvalidTypeError(f"{ctx}bfloat16 tensors need the ml_dtypes package on the "
                                    "host: pip install ml_dtypes")
         try:
-            return self.memory.array(t)
+            return self._view(t)
         except TypeError:
             raise InvalidTypeError(f"{ctx}ringcoll cannot reduce {t.dtype} tensors (no NumPy "
                                    "type); convert to float32 or another NumPy dtype "
@@ -234,7 +245,11 @@ class _Call:
 
     def bytes(self, t):
         """The bytes of contiguous tensor t, as a 1-D uint8 array view (any dtype)."""
-        return self.memory.array(_byte_tensor(t))
+        return self._view(_byte_tensor(t))
+
+    def _view(self, t):
+        self.keep.append(t)
+        return self.memory.array(t)
 
     def unpack(self, buf, outs, counts):
         """Once the collective has run, copy uint8 tensor buf's consecutive byte blocks into
@@ -249,6 +264,7 @@ class _Call:
 
     def finish(self):
         self.memory.settle(self.stream, self.later)
+        self.keep.clear()
 
 
 def _op_name(op, dtype, ctx):
