@@ -21,6 +21,10 @@
 #      module, trained with DistributedOptimizer on CuPy parameters, against one process on
 #      the global batch (float64 1e-10, float32 1e-5), replicas identical, a checkpoint
 #      resumed on the GPU; scripts/train_digits.py --xp cupy at -n 2 where scikit-learn is;
+#   4c. where torch sees the GPU: tests/mpi_torch.py --device cuda at -n 2 and 3 (every group
+#      of the torch backend's suite on CUDA tensors against NumPy oracles, DDP against one
+#      process and over gloo on the same tensors), and scripts/torch_ddp_digits.py --device
+#      cuda at -n 2 where scikit-learn is;
 #   5. bench/gpu_allreduce.py at -n 2, 1 MiB to 256 MiB (the 70% staging gate at 64 MiB and
 #      the node tier's targets: 1 MiB <= 150 us, 64 MiB >= 80 GB/s, 256 MiB >= 200 GB/s
 #      busbw), -n 4 (node tier: 64 MiB >= 60 GB/s) and -n 1 (the only NCCL comparison one
@@ -246,6 +250,20 @@ if "$PY" -c "import sklearn" 2> /dev/null; then  # the README's digits example, 
         --epochs 3 -q
 else
     say "note: scikit-learn is missing: the CuPy digits example (scripts/train_digits.py --xp cupy) is not run"
+fi
+
+# -- 4c. the PyTorch backend on CUDA tensors: every group of the torch suite, DDP vs gloo ------
+if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
+    step "torch backend on cuda -n 2,3" 120 bash -c '"$0" -n 2 "$1" tests/mpi_torch.py --device cuda \
+        --light --sync-timeout 60 --stall-timeout 30 --report "$2/torch_cuda_p2.json" &&
+        "$0" -n 3 "$1" tests/mpi_torch.py --device cuda --light --sync-timeout 60 \
+        --stall-timeout 30 --report "$2/torch_cuda_p3.json"' "$MPIEXEC" "$PY" "$OUT"
+    if "$PY" -c "import sklearn" 2> /dev/null; then
+        step "torch DDP digits on cuda -n 2" 60 "$MPIEXEC" -n 2 "$PY" scripts/torch_ddp_digits.py \
+            --device cuda --epochs 3 -q
+    fi
+else
+    say "note: torch with CUDA is missing: the torch backend's CUDA path (tests/mpi_torch.py --device cuda) is not run"
 fi
 
 # -- 5. the benchmark on device buffers -----------------------------------------------------

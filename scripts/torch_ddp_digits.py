@@ -1,4 +1,4 @@
-"""mpiexec -n 4 python scripts/torch_ddp_digits.py [--epochs 6] [--backend ringcoll]
+"""mpiexec -n 4 python scripts/torch_ddp_digits.py [--epochs 6] [--backend ringcoll] [--device cuda]
 
 PyTorch DistributedDataParallel training on ringcoll's torch.distributed backend: a plain
 PyTorch script in which the only ringcoll line is `import ringcoll.torch`, which registers the
@@ -19,6 +19,11 @@ At -n 4 the test accuracy passes 95% at epoch 3 and ends near 97%; the epochs ta
 
 --backend gloo runs the same script on torch's own gloo backend (import ringcoll.torch still
 fills MASTER_ADDR/MASTER_PORT, RANK and WORLD_SIZE from MPI when they are unset).
+
+--device cuda trains on the GPU: the model, every batch, the gradients DDP all-reduces and the
+script's own loss and accuracy sums are CUDA tensors, which the ringcoll backend hands to its
+CuPy path (docs/torch.md). Each rank uses GPU (its rank on the node mod the GPUs it sees), so
+ranks share one GPU or have one each; it needs CuPy as well (pip install -e ".[mpich,gpu]").
 Needs torch and scikit-learn: pip install -e ".[mpich,examples,torch]" (docs/torch.md).
 """
 
@@ -69,12 +74,24 @@ class DigitsCNN(torch.nn.Module):
         return self.classifier(self.features(x))
 
 
-def parameter_hash(model):
+def parameter_hash(model, device):
     """The first 8 bytes of a SHA-256 of every parameter's bytes, as an int64 tensor."""
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)])
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)], device=device)
+
+
+def pick_device(args):
+    """--device as a torch.device: cuda is this rank's GPU, its rank on the node (LOCAL_RANK,
+    which import ringcoll.torch sets from MPI) mod the GPUs it sees, made current."""
+    if args.device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device (a CPU-only torch build?)")
+    gpu = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    torch.cuda.set_device(gpu)
+    return torch.device("cuda", gpu)
 
 
 def parse_args(argv, description):
@@ -85,19 +102,22 @@ def parse_args(argv, description):
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--weight-decay", type=float, default=1e-2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the model, the batches and the gradients live")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     return ap.parse_args(argv)
 
 
-def rank_data(args, rank, world):
+def rank_data(args, rank, world, device):
     """(sampler, loader, x_test, y_test): every rank's own 1/p of each shuffled training
-    epoch, and its own share of the test images."""
+    epoch (batches moved to device in train_epochs), and its own share of the test images
+    (on device)."""
     x_train, y_train, x_test, y_test = load_digits_split(args.seed)
     train = TensorDataset(x_train, y_train)
     sampler = DistributedSampler(train, num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed)
     loader = DataLoader(train, batch_size=args.batch, sampler=sampler)
-    return sampler, loader, x_test[rank::world], y_test[rank::world]
+    return sampler, loader, x_test[rank::world].to(device), y_test[rank::world].to(device)
 
 
 def train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank):
@@ -107,12 +127,14 @@ def train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank):
     all-gathers each layer's parameters before its forward and backward and reduce-scatters
     its gradients. The loss and accuracy sums are the script's own dist.all_reduce calls."""
     show = rank == 0 and not args.quiet
+    device = x_test.device
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
         model.train()
         totals = torch.zeros(2, dtype=torch.float64)  # [sum of losses, number of samples]
         for step, (x, y) in enumerate(loader, 1):
+            x, y = x.to(device), y.to(device)
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             loss.backward()
@@ -122,6 +144,7 @@ def train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank):
                 done = 30 * step // len(loader)
                 print(f"\repoch {epoch:2d} [{'#' * done}{'.' * (30 - done)}] "
                       f"{step}/{len(loader)}", end="", file=sys.stderr, flush=True)
+        totals = totals.to(device)
         dist.all_reduce(totals)  # sum over the ranks
         train_loss = (totals[0] / totals[1]).item()
 
@@ -129,7 +152,7 @@ def train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank):
         with torch.no_grad():  # every rank runs one forward (FSDP: its all-gathers pair up)
             predicted = model(x_test).argmax(dim=1)
         counts = torch.tensor([(predicted == y_test).sum().item(), len(y_test)],
-                              dtype=torch.int64)
+                              dtype=torch.int64, device=device)
         dist.all_reduce(counts)
         accuracy = counts[0].item() / counts[1].item()
         if show:
@@ -143,22 +166,24 @@ def train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank):
 def main(argv=None):
     args = parse_args(argv, __doc__.splitlines()[0])
     torch.set_num_threads(1)
+    device = pick_device(args)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    sampler, loader, x_test, y_test = rank_data(args, rank, world)
+    sampler, loader, x_test, y_test = rank_data(args, rank, world, device)
 
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts rank 0's)
-    model = DDP(DigitsCNN())
+    model = DDP(DigitsCNN().to(device))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     n_params = sum(p.numel() for p in model.parameters())
     if rank == 0:
-        print(f"{world} rank(s), backend {dist.get_backend()}, {n_params} parameters, "
+        print(f"{world} rank(s), backend {dist.get_backend()} on {device.type}, {n_params} "
+              f"parameters, "
               f"{len(sampler.dataset)} training images, {len(loader)} steps of {args.batch} "
               f"per rank per epoch", flush=True)
     accuracy, _, seconds = train_epochs(model, opt, sampler, loader, x_test, y_test, args, rank)
 
-    hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(hashes, parameter_hash(model.module))
+    hashes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(hashes, parameter_hash(model.module, device))
     identical = all(torch.equal(h, hashes[0]) for h in hashes)
     if rank == 0:
         shown = [f"{h.item() & (2**64 - 1):016x}" for h in (hashes[:1] if identical else hashes)]

@@ -1,4 +1,4 @@
-"""mpiexec -n 4 python scripts/torch_fsdp_digits.py [--epochs 6] [--backend ringcoll]
+"""mpiexec -n 4 python scripts/torch_fsdp_digits.py [--epochs 6] [--backend ringcoll] [--device cuda]
 
 Fully sharded data parallelism (PyTorch's FSDP2, torch.distributed.fsdp.fully_shard) on CPU
 tensors over ringcoll's torch.distributed backend: scripts/torch_ddp_digits.py's CNN and data,
@@ -24,7 +24,8 @@ At -n 4 it passes 95% test accuracy at epoch 3, as the DDP example does (their l
 to 3-4 digits: the same model, data and seed); the 6 epochs took 6-16 s on the 2-core
 development VM (the more other jobs ran, the longer), the whole command 20-40 s.
 
---backend gloo runs the same script on torch's own gloo backend.
+--backend gloo runs the same script on torch's own gloo backend. --device cuda shards and
+trains on the GPU (see scripts/torch_ddp_digits.py; not yet run on one).
 Needs torch and scikit-learn: pip install -e ".[mpich,examples,torch]" (docs/torch.md).
 """
 
@@ -42,27 +43,29 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 import ringcoll.torch  # noqa: E402,F401  registers backend "ringcoll"; rank and size from MPI
 from torch_ddp_digits import (  # noqa: E402  (this directory)
-    DigitsCNN, parse_args, rank_data, train_epochs)
+    DigitsCNN, parse_args, pick_device, rank_data, train_epochs)
 
 
-def state_hash(state):
+def state_hash(state, device):
     """The first 8 bytes of a SHA-256 of a state dict's names and bytes, as an int64 tensor."""
     h = hashlib.sha256()
     for name, t in state.items():
         h.update(name.encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)])
+        h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return torch.tensor([int.from_bytes(h.digest()[:8], "little", signed=True)],
+                        device=device)
 
 
 def main(argv=None):
     args = parse_args(argv, __doc__.splitlines()[0])
     torch.set_num_threads(1)
+    device = pick_device(args)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
-    sampler, loader, x_test, y_test = rank_data(args, rank, world)
+    sampler, loader, x_test, y_test = rank_data(args, rank, world, device)
 
     torch.manual_seed(args.seed)  # the same full weights on every rank before sharding
-    model = DigitsCNN()
+    model = DigitsCNN().to(device)
     for layer in model.modules():
         if isinstance(layer, (torch.nn.Conv2d, torch.nn.Linear)):
             fully_shard(layer)  # its own all-gather / reduce-scatter group
@@ -81,8 +84,8 @@ def main(argv=None):
     failures = []
     # 1. the full (unsharded) state dict, gathered on every rank, is the same everywhere
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    hashes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(hashes, state_hash(full))
+    hashes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(hashes, state_hash(full, device))
     if not all(torch.equal(h, hashes[0]) for h in hashes):
         failures.append("full state dicts differ: hashes by rank "
                         + ", ".join(f"{h.item() & (2**64 - 1):016x}" for h in hashes))
@@ -94,7 +97,7 @@ def main(argv=None):
         if not (torch.equal(whole, full[name]) and torch.equal(p.to_local(), mine)):
             failures.append(f"rank {rank}: the shard of {name} is not its piece of the full one")
     # 3. the gathered state dict is a working unsharded model: the same test predictions
-    plain = DigitsCNN()
+    plain = DigitsCNN().to(device)
     plain.load_state_dict(full)
     plain.eval()
     with torch.no_grad():
@@ -102,7 +105,7 @@ def main(argv=None):
     if differ:
         failures.append(f"rank {rank}: unsharded, the model predicts {differ} of its "
                         f"{len(y_test)} test images differently")
-    failed = torch.tensor([len(failures)])
+    failed = torch.tensor([len(failures)], device=device)
     dist.all_reduce(failed)
     for line in failures:
         print(line, file=sys.stderr, flush=True)
