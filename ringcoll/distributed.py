@@ -17,6 +17,8 @@ nothing is copied (PyTorch DDP's gradient_as_bucket_view).
 Overlap. When every gradient of a bucket has been handed over, the bucket's all-reduce starts
 on the communicator's background thread (iallreduce) while the caller computes the next
 layer's gradient: MPI calls and large NumPy operations release the GIL, so both progress.
+On a GPU (CuPy parameters) the all-reduces are also queued on a CUDA stream of their own
+(_Streams), so the kernels of the rest of the backward pass do not wait behind them.
 Buckets always start in bucket order (bucket k waits for k - 1 to start), whatever order the
 gradients arrive in, so every rank issues the same collectives in the same order; debug mode
 (RINGCOLL_DEBUG=1) checks each one, and the bucket layouts are compared once, at
@@ -81,6 +83,44 @@ class _Bucket:
         self.waiting = set()  # names whose gradient this pass has not handed over yet
         self.handle = None  # the compressor's handle while the all-reduce runs
         self.state = {}  # the compressor's per-bucket buffers (payload, residual)
+
+
+class _Streams:
+    """Where a GPU's bucket all-reduces are ordered: a CuPy stream of their own.
+
+    ringcoll's device path queues a collective on the stream current when it is called and
+    makes that stream wait for the collective's last copy. Called on the compute stream, a
+    bucket's all-reduce would hold back every kernel the backward pass queues after it. So
+    start() makes a stream of the buckets' own wait (an event, not the host) for the compute
+    stream's work so far (the gradients written), then calls on it; finish() waits on it,
+    then makes the compute stream wait for it, so the update reads the averaged gradients
+    and the backward's kernels never wait for a collective. Host buckets: nothing to order.
+    """
+
+    def __init__(self, xp):
+        cuda = getattr(xp, "cuda", None) if xp is not np else None
+        self.cuda, self.stream = cuda, None
+
+    @contextmanager
+    def start(self):
+        if self.cuda is None:
+            yield
+            return
+        if self.stream is None:
+            self.stream = self.cuda.Stream(non_blocking=True)
+        self.stream.wait_event(self.cuda.get_current_stream().record())
+        with self.stream:
+            yield
+
+    @contextmanager
+    def finish(self):
+        if self.stream is None:
+            yield
+            return
+        compute = self.cuda.get_current_stream()
+        with self.stream:  # (a compressor's decoding runs there too, after its collective)
+            yield
+        compute.wait_event(self.stream.record())
 
 
 class DistributedOptimizer:
@@ -152,6 +192,7 @@ class DistributedOptimizer:
                 "GPU or on the host")
         #: the array module of the parameters, buckets and compression buffers (NumPy or CuPy)
         self.xp = xp = array_module(first) if first is not None else np
+        self._streams = _Streams(xp)
         if xp is not np and getattr(self.compression, "host_only", False):
             raise InvalidArgumentError(f"{ctx}compression {self.compression.name} has no GPU "
                                        "form (CuPy has no bfloat16 dtype); use Compression.fp16")
@@ -229,12 +270,13 @@ class DistributedOptimizer:
             self._next += 1
 
     def _start(self, bucket):
-        if self.op == "sum":
-            bucket.handle = self.comm.iallreduce(bucket.buf, op="sum", out=bucket.buf)
-            self.bytes_sent += bucket.buf.nbytes
-        else:
-            bucket.handle = self.compression.start(self.comm, bucket.buf, bucket.state)
-            self.bytes_sent += self.compression.wire_bytes(bucket.buf)
+        with self._streams.start():
+            if self.op == "sum":
+                bucket.handle = self.comm.iallreduce(bucket.buf, op="sum", out=bucket.buf)
+                self.bytes_sent += bucket.buf.nbytes
+            else:
+                bucket.handle = self.compression.start(self.comm, bucket.buf, bucket.state)
+                self.bytes_sent += self.compression.wire_bytes(bucket.buf)
 
     # -- synchronising and stepping ------------------------------------------------------------
     def synchronize(self):
@@ -268,10 +310,11 @@ class DistributedOptimizer:
         for b in buckets:
             if b.handle is not None:
                 start = time.perf_counter()
-                if self.op == "sum":
-                    b.handle.wait()
-                else:
-                    self.compression.finish(b.handle)
+                with self._streams.finish():
+                    if self.op == "sum":
+                        b.handle.wait()
+                    else:
+                        self.compression.finish(b.handle)
                 waited = time.perf_counter() - start
                 if exposed:
                     self.wait_seconds += waited

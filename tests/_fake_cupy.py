@@ -20,6 +20,8 @@ Install it for one test with `monkeypatch.setitem(sys.modules, "cupy", fake_cupy
 ringcoll.arrays.is_device then sees its arrays as device arrays, as it would CuPy's.
 """
 
+import itertools
+import threading
 import types
 
 import numpy as np
@@ -119,8 +121,13 @@ class StagedComm:
     Host arrays pass straight through. What it lets the tests check is the code above it
     (DistributedOptimizer, compression) keeping every buffer on the "device"."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, cuda=None):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        self.cuda = cuda  # the fake's cuda namespace: each collective logs its current stream
+
+    def _log(self, name):
+        if self.cuda is not None:
+            self.cuda.log.append(("call", name, self.cuda.get_current_stream().name))
 
     def shared_array(self, shape, dtype=np.float32, xp=np):
         return xp.zeros(shape, dtype)  # registered memory is the real path's business
@@ -135,6 +142,7 @@ class StagedComm:
         return out
 
     def iallreduce(self, x, op="sum", out=None, **kw):
+        self._log("iallreduce")
         if not isinstance(x, ndarray):
             return self.comm.iallreduce(x, op=op, out=out, **kw)
         host = x.get()
@@ -171,6 +179,43 @@ class _Staged:
         return self.out
 
 
+class Cuda:
+    """CuPy's stream API (cupy.cuda.Stream, get_current_stream, record, wait_event), keeping
+    a log instead of a GPU: which stream was current for each thread, what waited for what.
+    Log entries: ("wait", waiting stream, stream of the event), ("call", collective, current
+    stream) (from StagedComm). The null stream is every thread's until a `with stream:`."""
+
+    def __init__(self):
+        self.log, self._local, self._ids = [], threading.local(), itertools.count(1)
+        self.null = FakeStream(self, "null")
+
+    def get_current_stream(self):
+        stack = getattr(self._local, "stack", None)
+        return stack[-1] if stack else self.null
+
+    def Stream(self, non_blocking=False):  # noqa: N802 - CuPy's name
+        return FakeStream(self, f"stream{next(self._ids)}")
+
+
+class FakeStream:
+    def __init__(self, cuda, name):
+        self.cuda, self.name = cuda, name
+
+    def __enter__(self):
+        stack = self.cuda._local.__dict__.setdefault("stack", [])
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.cuda._local.stack.pop()
+
+    def record(self):
+        return types.SimpleNamespace(stream=self)
+
+    def wait_event(self, event):
+        self.cuda.log.append(("wait", self.name, event.stream.name))
+
+
 def module():
     """A fresh module object named 'cupy' with the functions above and NumPy's ufuncs."""
     m = types.ModuleType("cupy")
@@ -181,5 +226,6 @@ def module():
     for name in ("add", "subtract", "multiply", "divide", "sqrt", "maximum", "minimum", "abs",
                  "float16", "float32", "float64", "dtype"):
         setattr(m, name, getattr(np, name))  # ufuncs dispatch to ndarray.__array_ufunc__
+    m.cuda = Cuda()
     m.FAKE = True
     return m

@@ -107,6 +107,50 @@ def test_device_training_equals_the_numpy_run_bitwise(cp, p, opt_cls, hyper, wra
                for n in got[0][0])  # replicas identical
 
 
+@pytest.mark.parametrize("wrapper", [{}, {"compression": Compression.fp16},
+                                     {"staleness": 1}], ids=["plain", "fp16", "staleness"])
+def test_bucket_allreduces_run_on_a_stream_of_their_own(cp, wrapper):
+    """On a GPU every bucket's all-reduce is called on the buckets' own stream, which first
+    waits for the compute stream (the gradients written), and the compute stream waits for
+    it before the update: the backward's kernels are never queued behind a collective.
+    Checked on the fake's stream log, over a 2-rank run whose results stay those of the
+    NumPy run."""
+
+    def fn(comm):
+        params = {n: cp.asarray(a) for n, a in make_params().items()}
+        staged = _fake_cupy.StagedComm(comm, cuda=cp.cuda)
+        opt = ringcoll.DistributedOptimizer(SGD(params, lr=0.1), staged, bucket_bytes=64,
+                                            **wrapper)
+        for step in range(STEPS):
+            grads = grads_for(params, comm.rank, step)
+            for name in reversed(list(params)):
+                opt.grad_ready(name, cp.asarray(grads[name]))
+            opt.step()
+        opt.flush()
+        return {n: cp.asnumpy(a) for n, a in params.items()}, len(opt.buckets)
+
+    results = ringcoll.run_threads(2, fn, timeout=TIMEOUT)
+    log = cp.cuda.log  # both ranks' entries, interleaved: checked per stream name
+    calls = [e for e in log if e[0] == "call"]
+    buckets = results[0][1]
+    assert buckets > 1 and len(calls) >= 2 * STEPS * buckets  # one call per bucket and step
+    streams = {stream for _, _, stream in calls}
+    assert "null" not in streams and len(streams) == 2, calls  # one stream per rank's buckets
+    for s in streams:
+        mine = [e for e in log if s in e[1:]]
+        # before each call its stream waited for the compute (null) stream ...
+        for i, e in enumerate(mine):
+            if e[0] == "call":
+                assert ("wait", s, "null") in mine[:i], mine[:i + 1]
+        # ... and the compute stream waited for it as often as a bucket finished
+        assert mine.count(("wait", "null", s)) == \
+            sum(1 for e in mine if e[0] == "call"), mine
+    reference = train(2, False, SGD, {"lr": 0.1}, {"bucket_bytes": 64, **wrapper})
+    for (got, _), (want, _) in zip(results, reference):
+        for n in want:
+            np.testing.assert_array_equal(got[n], want[n])
+
+
 def test_float16_parameters_on_the_device(cp):
     want = train(2, False, Adam, dict(lr=0.01), {}, dtype=np.float16)
     got = train(2, True, Adam, dict(lr=0.01), {}, cp, dtype=np.float16)
