@@ -23,8 +23,8 @@
 #      resumed on the GPU; scripts/train_digits.py --xp cupy at -n 2 where scikit-learn is;
 #   4c. where torch sees the GPU: tests/mpi_torch.py --device cuda at -n 2 and 3 (every group
 #      of the torch backend's suite on CUDA tensors against NumPy oracles, DDP against one
-#      process and over gloo on the same tensors), and scripts/torch_ddp_digits.py --device
-#      cuda at -n 2 where scikit-learn is;
+#      process and over gloo on the same tensors), and scripts/torch_ddp_digits.py and
+#      torch_fsdp_digits.py --device cuda at -n 2 where scikit-learn is;
 #   5. bench/gpu_allreduce.py at -n 2, 1 MiB to 256 MiB (the 70% staging gate at 64 MiB and
 #      the node tier's targets: 1 MiB <= 150 us, 64 MiB >= 80 GB/s, 256 MiB >= 200 GB/s
 #      busbw), -n 4 (node tier: 64 MiB >= 60 GB/s) and -n 1 (the only NCCL comparison one
@@ -261,6 +261,8 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
     if "$PY" -c "import sklearn" 2> /dev/null; then
         step "torch DDP digits on cuda -n 2" 60 "$MPIEXEC" -n 2 "$PY" scripts/torch_ddp_digits.py \
             --device cuda --epochs 3 -q
+        step "torch FSDP2 digits on cuda -n 2" 60 "$MPIEXEC" -n 2 "$PY" \
+            scripts/torch_fsdp_digits.py --device cuda --epochs 2 -q
     fi
 else
     say "note: torch with CUDA is missing: the torch backend's CUDA path (tests/mpi_torch.py --device cuda) is not run"
