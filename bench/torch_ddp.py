@@ -27,7 +27,14 @@ step times and the ratios ringcoll/none and ringcoll/gloo, judged against the ta
   -n 2, width 4096:  ringcoll <= 1.15 x none   and <= 0.68 x gloo
   -n 4, width 1024:  ringcoll <= 1.10 x none   and <= 0.60 x gloo
 
-(--all runs those three; --target-none/--target-gloo replace the limits; another -n/width has
+--device cuda: the model, batches and gradients on the GPU (rank r on GPU
+local_rank mod the GPUs it sees, so ranks may share one), DDP given that device, each timed
+span closed by torch.cuda.synchronize; gloo all-reduces CUDA tensors through the host, ringcoll
+through its CuPy path. Target there (the GPU training issue's):
+
+  -n 2, width 1024, cuda:  ringcoll <= 0.50 x gloo   (none: reported, not judged)
+
+(--all runs the CPU three; --target-none/--target-gloo replace the limits; another -n/width has
 no target unless given.)
 
 Checks, in the gloo and ringcoll modes: on the first step, DDP's averaged gradients against
@@ -75,6 +82,7 @@ RESULT = "@@torch_ddp-result "  # the worker's one line of JSON on stdout (rank 
 
 # (nprocs, width) -> (limit of ringcoll/none, limit of ringcoll/gloo), from the issue
 TARGETS = {(2, 1024): (1.10, 0.70), (2, 4096): (1.15, 0.68), (4, 1024): (1.10, 0.60)}
+TARGETS_CUDA = {(2, 1024): (None, 0.50)}
 ALL = ((2, 1024), (2, 4096), (4, 1024))
 
 
@@ -132,6 +140,27 @@ def init_gloo(dist, MPI):
     dist.init_process_group("gloo")
 
 
+def pick_device(torch, name, world, MPI):
+    """(device, sync): sync() waits for the device's queued work and returns perf_counter.
+    On CUDA each rank takes GPU local_rank mod the GPUs it sees (its rank among the ranks of
+    its node), so ranks share a GPU when there are fewer GPUs than ranks."""
+    if name == "cpu":
+        return torch.device("cpu"), time.perf_counter
+    if not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: torch sees no CUDA GPU (torch.cuda.is_available() "
+                           "is False); run on a machine with one, or use --device cpu")
+    local = world.Split_type(MPI.COMM_TYPE_SHARED)
+    device = torch.device("cuda", local.Get_rank() % torch.cuda.device_count())
+    local.Free()
+    torch.cuda.set_device(device)
+
+    def sync():
+        torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return device, sync
+
+
 def grad_check(torch, ddp, x, y, world, MPI):
     """The DDP gradients of the step just run (no optimizer step yet) against the local
     gradients of a plain copy, summed by mpi4py in float64 and divided by p: the largest
@@ -145,11 +174,11 @@ def grad_check(torch, ddp, x, y, world, MPI):
     torch.nn.functional.cross_entropy(ref(x), y).backward()
     worst = 0.0
     for (name, p_ddp), p_ref in zip(ddp.module.named_parameters(), ref.parameters()):
-        local = p_ref.grad.detach().numpy().astype(np.float64)
+        local = p_ref.grad.detach().cpu().numpy().astype(np.float64)
         total = np.empty_like(local)
         world.Allreduce(local, total, op=MPI.SUM)
         want = total / world.Get_size()
-        got = p_ddp.grad.detach().numpy().astype(np.float64)
+        got = p_ddp.grad.detach().cpu().numpy().astype(np.float64)
         scale = max(float(np.abs(want).max()), 1e-30)
         worst = max(worst, float(np.abs(got - want).max()) / scale)
     return worst
@@ -193,11 +222,13 @@ def _worker(args, mode, world, MPI, origin):
 
     rank, p = world.Get_rank(), world.Get_size()
     torch.set_num_threads(args.threads)
+    device, sync = pick_device(torch, args.device, world, MPI)
     torch.manual_seed(args.seed)  # the same initial weights everywhere (DDP broadcasts anyway)
-    model = build_model(torch, args.width)
+    model = build_model(torch, args.width).to(device)
     gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # each rank its own data
-    batches = [(torch.randn(args.batch, args.width, generator=gen),
-                torch.randint(0, CLASSES, (args.batch,), generator=gen)) for _ in range(4)]
+    batches = [(torch.randn(args.batch, args.width, generator=gen).to(device),
+                torch.randint(0, CLASSES, (args.batch,), generator=gen).to(device))
+               for _ in range(4)]
 
     ddp = None
     if mode == "gloo":
@@ -211,6 +242,8 @@ def _worker(args, mode, world, MPI, origin):
         # bucket_cap_mb left unset unless asked for: DDP's default then also gives the first
         # bucket of its rebuild 1 MiB (any explicit value, 25 included, turns that off)
         cap = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+        if device.type == "cuda":
+            cap["device_ids"] = [device.index]
         ddp = torch.nn.parallel.DistributedDataParallel(model, **cap)
     net = ddp if ddp is not None else model
     opt = torch.optim.SGD(net.parameters(), lr=args.lr)
@@ -239,15 +272,15 @@ def _worker(args, mode, world, MPI, origin):
         x, y = batches[i % len(batches)]
         opt.zero_grad(set_to_none=True)
         del timeline[:]
-        t0 = time.perf_counter()
+        t0 = sync()
         loss = torch.nn.functional.cross_entropy(net(x), y)
-        t1 = time.perf_counter()
+        t1 = sync()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = sync()
         if i == 0 and ddp is not None:  # before the update changes the weights
             grad_err = grad_check(torch, ddp, x, y, world, MPI)
         opt.step()
-        t3 = time.perf_counter()
+        t3 = sync()
         if i >= args.warmup:
             steps.append(t3 - t0)
             marks = [(t0, t1, t2, t3), sorted(timeline)]  # the last step's timeline is kept
@@ -260,7 +293,7 @@ def _worker(args, mode, world, MPI, origin):
     if ddp is not None:
         h = hashlib.sha256()
         for t in net.module.parameters():
-            h.update(t.detach().numpy().tobytes())
+            h.update(t.detach().cpu().numpy().tobytes())
         digest = h.hexdigest()
     digests = world.gather(digest, root=0)
     errs = world.gather(grad_err, root=0)
@@ -276,7 +309,7 @@ def _worker(args, mode, world, MPI, origin):
                "steps": args.steps, "warmup": args.warmup,
                "torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
                "mpi_library_version": mpi_version, "final_loss": losses,
-               "ddp": ddp is not None, "identical": None, "grad_rel_err": None,
+               "device": str(device), "ddp": ddp is not None, "identical": None, "grad_rel_err": None,
                "backend_file": origin}
         if ddp is not None:
             out["identical"] = len(set(digests)) == 1
@@ -320,7 +353,8 @@ def worker_argv(args, nprocs, width, mode, timeline=False):
     cmd = [args.mpiexec, "-n", str(nprocs), sys.executable, str(HERE.relative_to(ROOT)),
            "--worker", mode, "--width", str(width), "--steps", str(steps_for(args, width)),
            "--warmup", str(args.warmup), "--threads", str(threads_for(args, nprocs)),
-           "--batch", str(args.batch), "--lr", str(args.lr), "--seed", str(args.seed)]
+           "--batch", str(args.batch), "--lr", str(args.lr), "--seed", str(args.seed),
+           "--device", args.device]
     if args.bucket_cap_mb is not None:
         cmd += ["--bucket-cap-mb", str(args.bucket_cap_mb)]
     return cmd + (["--timeline", "1"] if timeline else [])
@@ -482,13 +516,17 @@ def driver(args):
     _, dropped = launch_env(args, 1)
     import torch
 
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("torch_ddp.py: --device cuda, but torch sees no CUDA GPU "
+              "(torch.cuda.is_available() is False); use --device cpu", file=sys.stderr)
+        return 2
     print("# ringcoll bench: torch_ddp (DDP training step: gloo, ringcoll, none)")
     print(f"# command: {shlex.join([Path(sys.executable).name] + sys.argv)}")
     print(f"# torch {torch.__version__}; {mpi_library_version()}; python "
           f"{sys.version.split()[0]}; {cores()} core(s) available")
     threads = (f"{args.threads}" if args.threads is not None else
                f"cores // nprocs = {', '.join(str(threads_for(args, n)) for n, _ in configs)}")
-    print(f"# settings: threads {threads} per rank (torch.set_num_threads and "
+    print(f"# settings: device {args.device}, threads {threads} per rank (torch.set_num_threads and "
           f"OMP_NUM_THREADS, every mode), batch {args.batch}, model Linear(W,W)-ReLU-"
           f"Linear(W,W)-ReLU-Linear(W,{CLASSES}), cross-entropy, SGD lr {args.lr}, DDP "
           f"bucket_cap_mb {args.bucket_cap_mb or 'default'}, modes in order "
@@ -503,7 +541,8 @@ def driver(args):
     summaries = []
     for nprocs, width in configs:
         given = (args.target_none, args.target_gloo)
-        table = TARGETS.get((nprocs, width), (None, None))
+        table = (TARGETS if args.device == "cpu" else TARGETS_CUDA).get((nprocs, width),
+                                                                        (None, None))
         limits = tuple(g if g is not None else t for g, t in zip(given, table))
         summaries.append(run_config(args, nprocs, width, limits))
     if len(summaries) > 1:
@@ -562,6 +601,8 @@ def parse(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where the model and its gradients live (default cpu)")
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="DDP's bucket_cap_mb (default: DDP's own, 25 MiB with a 1 MiB first "
                          "bucket)")

@@ -24,7 +24,8 @@
 #   4c. where torch sees the GPU: tests/mpi_torch.py --device cuda at -n 2 and 3 (every group
 #      of the torch backend's suite on CUDA tensors against NumPy oracles, DDP against one
 #      process and over gloo on the same tensors), and scripts/torch_ddp_digits.py and
-#      torch_fsdp_digits.py --device cuda at -n 2 where scikit-learn is;
+#      torch_fsdp_digits.py --device cuda at -n 2 where scikit-learn is; bench/torch_ddp.py
+#      --device cuda at -n 2 (the gate: a DDP step over ringcoll <= 0.5 x over gloo);
 #   5. bench/gpu_allreduce.py at -n 2, 1 MiB to 256 MiB (the 70% staging gate at 64 MiB and
 #      the node tier's targets: 1 MiB <= 150 us, 64 MiB >= 80 GB/s, 256 MiB >= 200 GB/s
 #      busbw), -n 4 (node tier: 64 MiB >= 60 GB/s) and -n 1 (the only NCCL comparison one
@@ -264,6 +265,11 @@ if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"
         step "torch FSDP2 digits on cuda -n 2" 60 "$MPIEXEC" -n 2 "$PY" \
             scripts/torch_fsdp_digits.py --device cuda --epochs 2 -q
     fi
+    # the step-time target: DDP on CUDA tensors over ringcoll <= 0.5 x over gloo at -n 2
+    # on one GPU (2.1M-parameter MLP); every launch also checks the gradients and replicas
+    step "torch DDP step time on cuda -n 2 (gate)" 100 "$PY" bench/torch_ddp.py --device cuda \
+        --nprocs 2 --width 1024 --repeats 2 --steps 50 --warmup 5 --launch-timeout 40 \
+        --mpiexec "$MPIEXEC" --json "$OUT/bench_torch_ddp_cuda.json"
 else
     say "note: torch with CUDA is missing: the torch backend's CUDA path (tests/mpi_torch.py --device cuda) is not run"
 fi

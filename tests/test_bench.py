@@ -106,6 +106,24 @@ def test_torch_ddp_bench_runs_every_mode_and_checks_the_replicas(tmp_path):
     assert "bucket" in log and "backward ended at" in log, log  # the timeline table
 
 
+
+def test_torch_ddp_bench_on_cuda_without_a_gpu_says_so():
+    """--device cuda where torch sees no GPU: exit 2 naming the way out, before any launch (the
+    CUDA run itself is a step of scripts/gpu_check.sh)."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("torch sees a GPU here: the CUDA run is gpu_check.sh's step")
+    import subprocess
+    import sys
+
+    from _mpirun import ROOT
+
+    proc = subprocess.run([sys.executable, "bench/torch_ddp.py", "--device", "cuda"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "torch sees no CUDA GPU" in proc.stderr and "--device cpu" in proc.stderr
+    assert "# -n" not in proc.stdout  # nothing was launched
+
 def test_checkpoint_bench_runs_checks_every_load_and_cleans_up(tmp_path):
     """bench/checkpoint.py at -n 2 on tiny models, with the targets judged at those sizes:
     the table is printed, every load checked (0 wrong), every layout and baseline timed, its
