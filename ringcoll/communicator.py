@@ -355,8 +355,7 @@ class Communicator:
             # 2 ranks, x = np.arange(4) + rank: rank 0 gets [1, 3], rank 1 gets [5, 7]
             # counts=[3, 1]: rank 0 gets [1, 3, 5], rank 1 gets [7]
         """
-        return self._runner.run(self._runner.plan(collectives.reduce_scatter, x, op, out,
-                                                  algorithm, counts))
+        return self._runner.call(collectives.reduce_scatter, x, op, out, algorithm, counts)
 
     def allgather(self, x, out=None, algorithm=None, counts=None):
         """Concatenate every rank's x along axis 0, on every rank.
@@ -381,8 +380,7 @@ class Communicator:
 
             # 3 ranks, x = np.array([rank]): every rank gets [0, 1, 2]
         """
-        return self._runner.run(self._runner.plan(collectives.allgather, x, out, algorithm,
-                                                  counts))
+        return self._runner.call(collectives.allgather, x, out, algorithm, counts)
 
     def broadcast(self, x, root=0, algorithm=None):
         """Copy root's x into x on every rank, in place; returns x.
@@ -396,7 +394,7 @@ class Communicator:
             x = np.arange(3) if comm.rank == 0 else np.empty(3, dtype=int)
             comm.broadcast(x, root=0)   # every rank: [0, 1, 2]
         """
-        return self._runner.run(self._runner.plan(collectives.broadcast, x, root, algorithm))
+        return self._runner.call(collectives.broadcast, x, root, algorithm)
 
     def reduce(self, x, op="sum", root=0, out=None, algorithm=None):
         """Reduce x over all ranks onto root: returns the result on root, None elsewhere.
@@ -405,8 +403,7 @@ class Communicator:
 
             # 4 ranks, x = np.array([rank]): rank 0 gets [6], the others None
         """
-        return self._runner.run(self._runner.plan(collectives.reduce, x, op, root, out,
-                                                  algorithm))
+        return self._runner.call(collectives.reduce, x, op, root, out, algorithm)
 
     def scan(self, x, op="sum", out=None, algorithm=None):
         """Inclusive prefix reduction: rank r gets op(x_0, x_1, ..., x_r).
@@ -435,7 +432,7 @@ class Communicator:
             # 4 ranks, x = np.array([rank + 1]): ranks 0..3 get [1], [3], [6], [10]
             y = comm.scan(np.array([comm.rank + 1]))
         """
-        return self._runner.run(self._runner.plan(collectives.scan, x, op, out, algorithm))
+        return self._runner.call(collectives.scan, x, op, out, algorithm)
 
     def exscan(self, x, op="sum", out=None, algorithm=None):
         """Exclusive prefix reduction: rank r > 0 gets op(x_0, ..., x_{r-1}); rank 0 None.
@@ -463,7 +460,7 @@ class Communicator:
             # 4 ranks, x = np.array([rank + 1]): ranks 0..3 get None, [1], [3], [6]
             y = comm.exscan(np.array([comm.rank + 1]))
         """
-        return self._runner.run(self._runner.plan(collectives.exscan, x, op, out, algorithm))
+        return self._runner.call(collectives.exscan, x, op, out, algorithm)
 
     def alltoall(self, x, out=None, algorithm=None):
         """Send block j of x (axis 0 split into size equal blocks) to rank j.
@@ -479,7 +476,7 @@ class Communicator:
             # 2 ranks, x = np.array([10 * rank, 10 * rank + 1])
             # rank 0 gets [0, 10], rank 1 gets [1, 11]
         """
-        return self._runner.run(self._runner.plan(collectives.alltoall, x, out, algorithm))
+        return self._runner.call(collectives.alltoall, x, out, algorithm)
 
     def alltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None):
         """Send counts[j] rows of x to rank j (MPI_Alltoallv): all-to-all with uneven blocks.
@@ -519,8 +516,7 @@ class Communicator:
             # rank 0 gets [0, 10], rank 1 gets [1, 2]
             y = comm.alltoallv(x, counts)
         """
-        return self._runner.run(self._runner.plan(collectives.alltoallv, x, counts, out,
-                                                  recv_counts, algorithm))
+        return self._runner.call(collectives.alltoallv, x, counts, out, recv_counts, algorithm)
 
     def gather(self, x, root=0, out=None, algorithm=None, counts=None):
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
@@ -550,8 +546,7 @@ class Communicator:
             # 3 ranks, x = np.full(rank + 1, rank): rank 0 gets [0, 1, 1, 2, 2, 2]
             y = comm.gather(np.full(comm.rank + 1, comm.rank), root=0)
         """
-        return self._runner.run(self._runner.plan(collectives.gather, x, root, out, algorithm,
-                                                  counts))
+        return self._runner.call(collectives.gather, x, root, out, algorithm, counts)
 
     def scatter(self, x, root=0, counts=None, out=None, algorithm=None):
         """Split root's x along axis 0 into one block per rank; rank r gets block r.
@@ -595,12 +590,11 @@ class Communicator:
             # explicit counts: rank 0 gets [], rank 1 [0, 1, 2, 3], rank 2 [4]
             y = comm.scatter(np.arange(5) if comm.rank == 0 else None, counts=[0, 4, 1])
         """
-        return self._runner.run(self._runner.plan(collectives.scatter, x, root, counts, out,
-                                                  algorithm))
+        return self._runner.call(collectives.scatter, x, root, counts, out, algorithm)
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
-        self._runner.run(self._runner.plan(collectives.barrier, algorithm))
+        self._runner.call(collectives.barrier, algorithm)
 
     # -- non-blocking forms: the same checks at the call, the run on the background thread ---
     # Each returns a Request whose wait() gives what the blocking call returns. As with

@@ -9,6 +9,11 @@
 - replay(): a repeated identical all-reduce (the very same arrays, op and algorithm) runs its
   checked steps again, skipping every check and every allocation: the small-message hot path
   (outside debug mode, where every call is checked and agreed on anew).
+- repeat(): the same for every other collective: a call whose arguments are those of the last
+  call of that collective (its arrays the very same objects, unchanged in dtype and shape; its
+  other arguments equal) runs that call's checked plan again instead of building a new one.
+  Whatever a plan exchanges between ranks at run time (row counts, agreements) still runs:
+  only this rank's own checks and set-up are skipped.
 - every run sits between Progress.begin and .end (the watchdog and error messages read them);
   in debug mode the ranks first agree on the call (checks.exchange_fingerprints); an error
   that every rank raised alike propagates, any other goes to the transport's fail() (MPI:
@@ -38,11 +43,16 @@ class Plan:
     identical call may run instead of building a new plan.
     """
 
-    __slots__ = ("collective", "algorithm", "fields", "run", "schedule", "replay")
+    __slots__ = ("collective", "algorithm", "fields", "run", "schedule", "replay", "repeatable")
 
-    def __init__(self, collective, algorithm, fields, run, schedule=(), replay=None):
+    def __init__(self, collective, algorithm, fields, run, schedule=(), replay=None,
+                 repeatable=False):
         self.collective, self.algorithm, self.fields = collective, algorithm, fields
         self.run, self.schedule, self.replay = run, schedule, replay
+        # repeatable: run() may run again for the very same arguments (see Repeat): it reads
+        # the caller's arrays themselves (no copy of them made while planning) and writes
+        # into the caller's out= (no result allocated while planning)
+        self.repeatable = repeatable
 
 
 class Replay:
@@ -60,9 +70,58 @@ class Replay:
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
 
 
+MISS = object()  # Runner.repeat's answer when the call is not the last one again
+
+
+def freeze(value):
+    """A value argument (root, counts, op, algorithm) as Repeat keeps it: a sequence as a tuple
+    of ints (so a list changed in place after the call is seen as changed), anything else as
+    it is (ints, strings, None, MPI.Op objects); None for what cannot be kept."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        try:
+            return tuple(int(v) for v in value)
+        except (TypeError, ValueError):
+            return None
+    return value
+
+
+class Repeat:
+    """The last call of one collective, for Runner.repeat: its arguments, its plan.
+
+    buffers are the positions of the arguments that are arrays the call reads or writes: they
+    match only the very same objects (kept here, so their ids cannot be reused) with the
+    dtype and shape they had. Every other argument matches an equal value (see freeze).
+    """
+
+    __slots__ = ("args", "buffers", "layouts", "plan")
+
+    def __init__(self, args, buffers, plan):
+        self.args = tuple(a if i in buffers else freeze(a) for i, a in enumerate(args))
+        self.buffers, self.plan = buffers, plan
+        self.layouts = tuple((i, args[i].dtype, args[i].shape) for i in buffers
+                             if hasattr(args[i], "dtype"))
+
+    def matches(self, args):
+        buffers = self.buffers
+        for i, (kept, given) in enumerate(zip(self.args, args)):
+            if kept is given:
+                continue
+            if i in buffers or kept is None or freeze(given) != kept:
+                return False
+        for i, dtype, shape in self.layouts:
+            if args[i].dtype is not dtype or args[i].shape != shape:
+                return False
+        return True
+
+
 #: the runner's Replay when there is none: its x is no caller's array, so nothing matches
 #: (one `is` test on the hot path instead of two)
 NO_REPLAY = Replay(np.empty(0), None, None, None, (), Plan(None, None, None, None))
+
+
+def freeze_all(args, buffers):
+    """Can every value argument be kept (see freeze)?"""
+    return all(freeze(a) is not None or a is None for i, a in enumerate(args) if i not in buffers)
 
 
 def run_steps(steps, result):
@@ -108,6 +167,7 @@ class Runner:
         self._tail = None  # the last non-blocking collective submitted, while it may be pending
         self._replay = NO_REPLAY  # the last replayable call (an allreduce with out=)
         self._parked = NO_REPLAY  # ... set aside while non-blocking calls may be pending
+        self._repeats = {}  # collective name -> the Repeat of its last repeatable call
         self._printed = BoundedCache()  # debug mode: the calls whose algorithm rank 0 printed
 
     # -- checking -------------------------------------------------------------------------
@@ -133,6 +193,27 @@ class Runner:
                           lambda: None))
 
     # -- running --------------------------------------------------------------------------
+    def call(self, collective, *args):
+        """A blocking collective: the last call of it again (repeat), else plan and run.
+        collective.BUFFERS names the positions of args that are arrays (see Repeat)."""
+        done = self.repeat(collective.NAME, args)
+        if done is not MISS:
+            return done
+        plan = self.plan(collective, *args)
+        if plan.repeatable and plan.fields is None and freeze_all(args, collective.BUFFERS):
+            self._repeats[collective.NAME] = Repeat(args, collective.BUFFERS, plan)
+        else:
+            self._repeats.pop(collective.NAME, None)
+        return self.run(plan)
+
+    def repeat(self, name, args):
+        """Run the last call of collective `name` again if args are its arguments again (see
+        Repeat) and nothing non-blocking may be pending; return its result, or MISS."""
+        r = self._repeats.get(name)
+        if r is None or self._tail is not None or not r.matches(args):
+            return MISS
+        return self.execute(r.plan)
+
     def run(self, plan):
         """Run plan (see execute), after any pending non-blocking calls; return its result.
         A plan with a Replay becomes the one replay() runs again (never in debug mode, where
@@ -194,8 +275,9 @@ class Runner:
         return out
 
     def forget(self):
-        """Drop the replay (its steps are bound to a transport that is going away)."""
+        """Drop the replays (their steps are bound to a transport that is going away)."""
         self._replay = self._parked = NO_REPLAY
+        self._repeats.clear()
 
     def agree(self, collective, algorithm, fields):
         g = self.g
@@ -247,3 +329,4 @@ class Runner:
             self._executor.shutdown(wait=wait)
             self._executor = None
         self._replay = self._parked = NO_REPLAY
+        self._repeats.clear()

@@ -21,9 +21,12 @@ from . import _args
 
 NAME = "allgather"
 ALGORITHMS = ("ring", "node", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 1)
 
 
 def plan(g, ctx, x, out, algorithm, counts=None):
+    given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
     counts = expected_counts(g, counts, ctx)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
@@ -50,7 +53,8 @@ def plan(g, ctx, x, out, algorithm, counts=None):
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
     fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
-    return Plan(NAME, name, fields, _args.on_side(run, side))
+    return Plan(NAME, name, fields, _args.on_side(run, side),
+                repeatable=x is given and out is not None)
 
 
 def expected_counts(g, counts, ctx):

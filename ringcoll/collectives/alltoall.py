@@ -13,9 +13,12 @@ from . import _args
 
 NAME = "alltoall"
 ALGORITHMS = ("pairwise", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 1)
 
 
 def plan(g, ctx, x, out, algorithm):
+    given, given_out = x, out
     x, side = _args.rows_input(g, x, ctx, movable=True)
     if x.shape[0] % g.size:
         raise InvalidArgumentError(
@@ -37,4 +40,5 @@ def plan(g, ctx, x, out, algorithm):
         _args.copy_rows(dst, copy_to)
         return out
 
-    return Plan(NAME, name, _args.fields(g, side, x=x), _args.on_side(run, side))
+    return Plan(NAME, name, _args.fields(g, side, x=x), _args.on_side(run, side),
+                repeatable=x is given and given_out is not None)

@@ -41,12 +41,15 @@ from . import _args
 
 NAME = "alltoallv"
 ALGORITHMS = ("pairwise", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 2)
 
 # a rank's verdict on its own call after the count exchange (step 2)
 FINE, WRONG_RECV_COUNTS, WRONG_OUT = 0, 1, 2
 
 
 def plan(g, ctx, x, counts, out, recv_counts, algorithm):
+    given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     counts = _args.counts(counts, g.size, ctx, total=x.shape[0])
@@ -81,7 +84,8 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
 
     # axis 0 and the counts differ between ranks: the fingerprint leaves them out
     fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
-    return Plan(NAME, name, fields, _args.on_side(run, side))
+    return Plan(NAME, name, fields, _args.on_side(run, side),
+                repeatable=x is given and out is not None)
 
 
 def exchange(g, x, counts, out, recv_counts, name):

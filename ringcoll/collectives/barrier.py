@@ -12,6 +12,8 @@ from . import _args
 
 NAME = "barrier"
 ALGORITHMS = ("dissemination", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = ()
 
 
 def plan(g, ctx, algorithm):
@@ -25,4 +27,4 @@ def plan(g, ctx, algorithm):
         else:
             dissemination.barrier(g.t, g.host.ws)
 
-    return Plan(NAME, name, _args.fields(g, None), run)
+    return Plan(NAME, name, _args.fields(g, None), run, repeatable=True)

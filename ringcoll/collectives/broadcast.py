@@ -17,6 +17,8 @@ from . import _args
 
 NAME = "broadcast"
 ALGORITHMS = ("tree", "node", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0,)
 
 
 def plan(g, ctx, x, root, algorithm):
@@ -46,4 +48,5 @@ def plan(g, ctx, x, root, algorithm):
             (node if name == "node" else tree).broadcast(side.t, buf, root, side.ws)
         return x
 
-    return Plan(NAME, name, _args.fields(g, side, x=x, root=int(root)), _args.on_side(run, side))
+    return Plan(NAME, name, _args.fields(g, side, x=x, root=int(root)), _args.on_side(run, side),
+                repeatable=True)  # x itself, in place

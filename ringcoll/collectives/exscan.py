@@ -9,6 +9,7 @@ from . import scan
 
 NAME = "exscan"
 ALGORITHMS = scan.ALGORITHMS
+BUFFERS = scan.BUFFERS
 
 
 def plan(g, ctx, x, op, out, algorithm):

@@ -16,9 +16,12 @@ from .allgather import expected_counts, rows
 
 NAME = "gather"
 ALGORITHMS = ("tree",)
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 2)
 
 
 def plan(g, ctx, x, root, out, algorithm, counts=None):
+    given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
     _args.check_root(g, root, ctx)
     _args.pick_simple(algorithm, ALGORITHMS, ctx)
@@ -46,4 +49,5 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
     # axis 0 may differ between ranks: the fingerprint leaves it out
     fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]),
                           root=int(root))
-    return Plan(NAME, "tree", fields, _args.on_side(run, side))
+    return Plan(NAME, "tree", fields, _args.on_side(run, side),
+                repeatable=x is given and (out is not None or not is_root))

@@ -11,9 +11,12 @@ from . import _args
 
 NAME = "reduce"
 ALGORITHMS = ("tree", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 3)
 
 
 def plan(g, ctx, x, op, root, out, algorithm):
+    given, given_out = x, out
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     _args.check_root(g, root, ctx)
@@ -41,5 +44,7 @@ def plan(g, ctx, x, op, root, out, algorithm):
             copy_out()
         return out
 
+    # a repeat needs src to be x itself (not a copy) and root's result to be the caller's out
+    repeatable = x is given and _args.flat_view(x) is not None and (not is_root or given_out is not None)
     return Plan(NAME, name, _args.fields(g, side, op, x, root=int(root)),
-                _args.on_side(run, side))
+                _args.on_side(run, side), repeatable=repeatable)

@@ -17,9 +17,12 @@ from . import _args
 
 NAME = "reduce_scatter"
 ALGORITHMS = ("ring", "node", "native")
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 2)
 
 
 def plan(g, ctx, x, op, out, algorithm, counts=None):
+    given, given_out = x, out
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     x = _args.as_rows(x)
@@ -68,4 +71,5 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
 
     # debug mode compares the counts too; counts equal to the default split are the default
     more = {"counts": _args.counts_field(blocks)} if g.options.debug and blocks else {}
-    return Plan(NAME, name, _args.fields(g, side, op, x, **more), _args.on_side(run, side))
+    return Plan(NAME, name, _args.fields(g, side, op, x, **more), _args.on_side(run, side),
+                repeatable=x is given and given_out is not None)

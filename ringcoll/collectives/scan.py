@@ -13,6 +13,8 @@ from . import _args
 
 NAME = "scan"
 ALGORITHMS = ("recursive_doubling",)
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 2)
 
 
 def plan(g, ctx, x, op, out, algorithm):
@@ -26,6 +28,7 @@ def build(g, ctx, name, x, op, out, algorithm, exclusive):
         raise InvalidArgumentError(
             f"{ctx}op 'avg' has no prefix meaning: each rank's result covers a different "
             f"number of ranks; use op='sum' and divide the result by {count}")
+    given, given_out = x, out
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     algo = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     t, ws = side.t, side.ws
@@ -44,4 +47,7 @@ def build(g, ctx, name, x, op, out, algorithm, exclusive):
             copy_out()
         return out
 
-    return Plan(name, algo, _args.fields(g, side, op, x), _args.on_side(run, side))
+    # a repeat needs src to be x itself (not a copy) and the result to be the caller's out
+    repeatable = x is given and _args.flat_view(x) is not None and (given_out is not None or gets_none)
+    return Plan(name, algo, _args.fields(g, side, op, x), _args.on_side(run, side),
+                repeatable=repeatable)

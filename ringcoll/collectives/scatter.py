@@ -30,6 +30,8 @@ from . import _args
 
 NAME = "scatter"
 ALGORITHMS = ("tree",)
+#: positions of the plan's arguments that are arrays (see runner.Repeat)
+BUFFERS = (0, 3)
 
 RECORD = 3  # a rank's out= as root sees it: (has out, its rows, crc of dtype + row shape)
 SLOTS = 8  # trailing dimensions the header carries; rows of more need out= on non-roots
@@ -96,7 +98,9 @@ def plan(g, ctx, x, root, counts, out, algorithm):
     # only root knows dtype, shape and counts: the fingerprint has root alone; where the
     # blocks live may differ too (a GPU root, host non-roots), so no memory field either
     fields = _args.fields(g, None, root=root)
-    return Plan(NAME, "tree", fields, _args.on_side(run, side))
+    # a repeat needs root's src to be x itself (not a copy) and every result the caller's out
+    repeatable = out is not None and (g.rank != root or x is given)
+    return Plan(NAME, "tree", fields, _args.on_side(run, side), repeatable=repeatable)
 
 
 def _header_size(p):

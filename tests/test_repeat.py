@@ -1,0 +1,171 @@
+"""The repeat fast path of every collective but allreduce (runner.Repeat): a call with the very
+same arrays and equal other arguments as the last call of that collective runs the plan built
+then. These tests hold every repeated call to the answer a fresh call gives, on every rank,
+while the values change every call and the arguments change between some calls (root, counts
+mutated in place, another out, a dtype or shape changed in place, another collective in
+between), and check that a repeat does skip the planning (else the fast path is gone)."""
+
+import numpy as np
+import pytest
+
+import ringcoll
+from ringcoll.runner import Runner
+
+TIMEOUT = 30
+PS = [1, 2, 3, 5]
+
+
+def run(p, fn):
+    return ringcoll.run_threads(p, fn, timeout=TIMEOUT)
+
+
+def data(rank, call, n, dtype=np.int64):
+    """Rank `rank`'s rows at call number `call` (exact in every dtype used here)."""
+    return ((np.arange(n) * (rank + 2) + 5 * call + 3 * rank) % 29).astype(dtype)
+
+
+def rows(p, n):
+    """Uneven row counts for an uneven collective: rank r has rows(p, n)[r]."""
+    return [n + (r % 3) for r in range(p)]
+
+
+def calls(comm, n, k, roots):
+    """Every collective once, at call number k, on arrays made once per (comm, n) and kept in
+    comm's cache: (name, result copy, expected)."""
+    p, r = comm.size, comm.rank
+    a = comm._test_arrays.setdefault(n, {})  # the very same arrays every call
+    def buf(name, shape, dtype=np.int64):
+        if name not in a:
+            a[name] = np.zeros(shape, dtype)
+        return a[name]
+    every = [data(q, k, n) for q in range(p)]
+    total = sum(every)
+    root = roots[k % len(roots)] % p
+    out = []
+
+    x = buf("x", n)
+    x[...] = every[r]
+    b = buf("bcast", n)
+    b[...] = every[root] if r == root else -1
+    out.append(("broadcast", comm.broadcast(b, root=root).copy(), every[root]))
+    y = buf("reduce_out", n)
+    got = comm.reduce(x, root=root, out=y)
+    out.append(("reduce", None if got is None else got.copy(), total if r == root else None))
+    out.append(("scan", comm.scan(x, out=buf("scan_out", n)).copy(), sum(every[:r + 1])))
+    got = comm.exscan(x, out=buf("exscan_out", n))
+    out.append(("exscan", None if got is None else got.copy(),
+                sum(every[:r]) if r > 0 else None))
+    big = buf("big", n * p)
+    big[...] = np.concatenate([every[r] + 100 * q for q in range(p)])
+    want = np.concatenate([every[q] + 100 * r for q in range(p)])
+    out.append(("alltoall", comm.alltoall(big, out=buf("a2a_out", n * p)).copy(), want))
+    full = np.concatenate(every)
+    out.append(("allgather", comm.allgather(x, out=buf("ag_out", n * p)).copy(), full))
+    got = comm.gather(x, root=root, out=buf("g_out", n * p))
+    out.append(("gather", None if got is None else got.copy(), full if r == root else None))
+    src = buf("sc_in", n * p)
+    src[...] = full
+    got = comm.scatter(src, root=root, out=buf("sc_out", n))
+    out.append(("scatter", got.copy(), every[r]))
+    rs_in = buf("rs_in", n * p)
+    rs_in[...] = np.concatenate([every[r] * (q + 1) for q in range(p)])
+    rs_want = sum(every) * (r + 1)
+    out.append(("reduce_scatter", comm.reduce_scatter(rs_in, out=buf("rs_out", n)).copy(),
+                rs_want))
+    # uneven: each rank's own count, mutated in place between calls (see the test)
+    counts = a.setdefault("counts", rows(p, n))
+    mine = buf(("v", counts[r]), counts[r])
+    mine[...] = (np.arange(counts[r]) + 10 * r + k)
+    gathered = comm.allgather(mine, out=buf(("agv", sum(counts)), sum(counts)), counts=counts)
+    want = np.concatenate([np.arange(c) + 10 * q + k for q, c in enumerate(counts)])
+    out.append(("allgather counts=", gathered.copy(), want))
+    comm.barrier()
+    return out
+
+
+def check(results):
+    for rank, per_call in enumerate(results):
+        for k, made in enumerate(per_call):
+            for name, got, want in made:
+                if want is None:
+                    assert got is None, f"rank {rank} call {k} {name}: {got}"
+                else:
+                    np.testing.assert_array_equal(got, want,
+                                                  err_msg=f"rank {rank} call {k} {name}")
+
+
+@pytest.mark.parametrize("p", PS)
+@pytest.mark.parametrize("n", [0, 1, 4])
+def test_repeated_calls_give_fresh_answers_as_values_and_roots_change(p, n):
+    """Ten rounds of every collective on the same arrays: new values every round, the root
+    changing every third round, the uneven counts list mutated in place at round 5 (the same
+    list object, other values: a repeat must see it)."""
+    def body(comm):
+        comm._test_arrays = {}
+        made = []
+        for k in range(10):
+            if k == 5:
+                counts = comm._test_arrays.setdefault(n, {}).setdefault("counts", rows(p, n))
+                counts[-1] += 1  # in place: the same list, a new call
+            made.append(calls(comm, n, k, roots=[0, 0, 0, p - 1, p - 1, p - 1, 1, 1, 1, 0]))
+        return made
+
+    check(run(p, body))
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_repeat_skips_the_planning_and_a_changed_call_plans_anew(p, monkeypatch):
+    """Counted through Runner.plan: identical calls plan once per collective; a changed root,
+    another out, an array reshaped or retyped in place, plan again."""
+    planned = []
+    original = Runner.plan
+
+    def counting(self, collective, *args, call=None):
+        if self.g.rank == 0:
+            planned.append(collective.NAME)
+        return original(self, collective, *args, call=call)
+
+    monkeypatch.setattr(Runner, "plan", counting)
+
+    def body(comm):
+        x, y, z = np.arange(6.0), np.empty(6), np.empty(6)
+        for _ in range(4):
+            comm.broadcast(x, root=0)
+            comm.reduce(x, root=1, out=y)
+            comm.barrier()
+        comm.broadcast(x, root=1)  # another root: plans
+        comm.reduce(x, root=1, out=z)  # another out: plans
+        x.shape = (2, 3)  # the same object, reshaped in place: plans
+        comm.broadcast(x, root=1)
+        x.dtype = np.int64  # the same object, retyped in place: plans
+        comm.broadcast(x, root=1)
+        return True
+
+    assert all(run(p, body))
+    assert planned.count("barrier") == 1, planned
+    assert planned.count("reduce") == 2, planned
+    assert planned.count("broadcast") == 4, planned
+
+
+def test_no_repeat_without_out_or_for_a_copied_input():
+    """A call that allocates its result, or works on a copy of a non-contiguous x, is never
+    repeated: every call returns a new array, and a strided x's new values are read."""
+    def body(comm):
+        x = np.zeros(8)
+        results = []
+        for k in range(3):
+            x[...] = k + comm.rank
+            results.append(comm.allgather(x))  # no out=: a new array each call
+        assert results[0] is not results[1]
+        strided = np.zeros(16)[::2]
+        got = []
+        for k in range(3):
+            strided[...] = k
+            got.append(comm.scan(strided, out=np.empty(8)).copy())
+        return [r.copy() for r in results], got
+
+    for rank, (results, got) in enumerate(run(3, body)):
+        for k, r in enumerate(results):
+            np.testing.assert_array_equal(r, np.repeat([k, k + 1, k + 2], 8))
+        for k, g in enumerate(got):
+            np.testing.assert_array_equal(g, np.full(8, k * (rank + 1)))
