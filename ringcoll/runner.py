@@ -9,7 +9,7 @@
 - replay(): a repeated identical all-reduce (the very same arrays, op and algorithm) runs its
   checked steps again, skipping every check and every allocation: the small-message hot path
   (outside debug mode, where every call is checked and agreed on anew).
-- repeat(): the same for every other collective: a call whose arguments are those of the last
+- call(): the same for every other collective (its repeat): a call whose arguments are those of the last
   call of that collective (its arrays the very same objects, unchanged in dtype and shape; its
   other arguments equal) runs that call's checked plan again instead of building a new one.
   Whatever a plan exchanges between ranks at run time (row counts, agreements) still runs:
@@ -70,9 +70,6 @@ class Replay:
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
 
 
-MISS = object()  # Runner.repeat's answer when the call is not the last one again
-
-
 def freeze(value):
     """A value argument (root, counts, op, algorithm) as Repeat keeps it: a sequence as a tuple
     of ints (so a list changed in place after the call is seen as changed), anything else as
@@ -93,25 +90,28 @@ class Repeat:
     dtype and shape they had. Every other argument matches an equal value (see freeze).
     """
 
-    __slots__ = ("args", "buffers", "layouts", "plan")
+    __slots__ = ("args", "values", "layouts", "plan", "run", "current")
 
     def __init__(self, args, buffers, plan):
         self.args = tuple(a if i in buffers else freeze(a) for i, a in enumerate(args))
-        self.buffers, self.plan = buffers, plan
+        self.values = tuple(i for i in range(len(args)) if i not in buffers)
+        # (position, dtype, shape) of every array argument; None arguments match by identity
         self.layouts = tuple((i, args[i].dtype, args[i].shape) for i in buffers
                              if hasattr(args[i], "dtype"))
+        self.plan, self.run = plan, plan.run
+        self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
 
     def matches(self, args):
-        buffers = self.buffers
-        for i, (kept, given) in enumerate(zip(self.args, args)):
-            if kept is given:
-                continue
-            if i in buffers or kept is None or freeze(given) != kept:
+        kept = self.args
+        for i, dtype, shape in self.layouts:  # the arrays: the very same, unchanged
+            given = args[i]
+            if given is not kept[i] or given.dtype is not dtype or given.shape != shape:
                 return False
-        for i, dtype, shape in self.layouts:
-            if args[i].dtype is not dtype or args[i].shape != shape:
+        for i in self.values:  # the rest: equal values (None and arrays absent: identity)
+            given, mine = args[i], kept[i]
+            if given is not mine and (mine is None or freeze(given) != mine):
                 return False
-        return True
+        return len(args) == len(kept)
 
 
 #: the runner's Replay when there is none: its x is no caller's array, so nothing matches
@@ -196,23 +196,26 @@ class Runner:
     def call(self, collective, *args):
         """A blocking collective: the last call of it again (repeat), else plan and run.
         collective.BUFFERS names the positions of args that are arrays (see Repeat)."""
-        done = self.repeat(collective.NAME, args)
-        if done is not MISS:
-            return done
+        r = self._repeats.get(collective.NAME)
+        if r is not None and self._tail is None and r.matches(args):
+            progress = self._progress
+            progress.seq += 1  # progress.begin, inlined: this is the small-message hot path
+            progress.current, progress.step, progress.at = r.current, 0, None
+            try:
+                result = r.run()
+            except BaseException as exc:
+                if not getattr(exc, "ringcoll_agreed", False):
+                    self.g.t.fail(exc)  # MPI: print it and abort the job (it needs current)
+                progress.current = None  # every rank raised it alike: this call is over
+                raise
+            progress.current = None  # progress.end(), inlined
+            return result
         plan = self.plan(collective, *args)
         if plan.repeatable and plan.fields is None and freeze_all(args, collective.BUFFERS):
             self._repeats[collective.NAME] = Repeat(args, collective.BUFFERS, plan)
         else:
             self._repeats.pop(collective.NAME, None)
         return self.run(plan)
-
-    def repeat(self, name, args):
-        """Run the last call of collective `name` again if args are its arguments again (see
-        Repeat) and nothing non-blocking may be pending; return its result, or MISS."""
-        r = self._repeats.get(name)
-        if r is None or self._tail is not None or not r.matches(args):
-            return MISS
-        return self.execute(r.plan)
 
     def run(self, plan):
         """Run plan (see execute), after any pending non-blocking calls; return its result.

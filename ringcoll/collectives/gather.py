@@ -9,10 +9,9 @@ data flowing towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n g
 """
 
 from ..algorithms import tree
-from ..arrays import Partition
 from ..runner import Plan
 from . import _args
-from .allgather import expected_counts, rows
+from .allgather import Rows, Target, expected_counts
 
 NAME = "gather"
 ALGORITHMS = ("tree",)
@@ -32,16 +31,12 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
+    exchange = Rows(g, x, out, "ring", collective=NAME, expect=expect)
+    target = Target(out, x, ctx, side, wanted=is_root)
 
     def run():
-        counts = rows(g, x, out, "ring", collective=NAME, expect=expect)  # host numbers
-        part = Partition([r * _args.row_elems(x) for r in counts])
-        result = dst = copy_to = None
-        if is_root:
-            result = _args.output(out, (sum(counts),) + x.shape[1:], x.dtype, ctx, side,
-                                  rows=True)
-            dst, copy_to = _args.rows_target(result)
-            dst = _args.raw(dst)
+        counts = exchange()  # host numbers
+        part, result, dst, copy_to = target(counts)
         tree.gather(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
         return result

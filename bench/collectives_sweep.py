@@ -1,0 +1,302 @@
+"""mpiexec -n 2 python bench/collectives_sweep.py [-b 8 -e 64M -f 4] [--only allgather,scan]
+
+Every collective of the Communicator against the MPI library's own, side by side in one run,
+with the targets of the "every collective as fast as MPI's" issue; exits non-zero on a miss.
+
+Collectives and what n means (bytes, float64 data):
+
+  broadcast, reduce, scan, exscan      n = the whole buffer (the same on every rank)
+  allgather, gather                    n = each rank's block (the result is p n)
+  scatter, reduce_scatter              n = each rank's block (the input is p n)
+  alltoall                             n = each block (every rank sends p blocks of n)
+  barrier                              no data (one row, n = 0)
+
+Per collective and size, in the same rounds: "mpi" (mpi4py's upper-case call on a duplicate
+of COMM_WORLD: MPI_Bcast, MPI_Reduce, MPI_Scan, MPI_Exscan, MPI_Allgather, MPI_Gather,
+MPI_Scatter, MPI_Reduce_scatter_block, MPI_Alltoall, MPI_Barrier), ringcoll's "auto" (the
+default), its own algorithm ("own": the collective's first, e.g. tree or ring) and, where the
+collective has it, algorithm="native" (ringcoll's adapter over the MPI call). Every ringcoll
+call passes out= and the same arrays each time, as a training loop does (the repeat path).
+
+Timing: bench/targets.py's time_calls: a warm-up, then shuffled rounds (the same order on
+every rank) of a batch of each call, each after a settling call and a barrier; the time of a
+call in a round = max over ranks of its mean; a figure = the MEDIAN over rounds.
+
+Targets, judged on auto / mpi (smaller is better):
+  n < 64 KiB:   <= 1.5        n >= 64 KiB:   <= 1.0
+When the ranks outnumber the cores (oversubscribed: MPI's busy polling takes turns), the
+denominator is max(mpi, latency floor) instead, the floor being ceil(log2 p) back-to-back bare
+Sendrecv calls of n bytes (bench/targets.py's T4 floor), timed in the same rounds.
+
+Correctness: in the first round of every size each ringcoll call's result is compared with
+MPI's, exactly (small integers in float64), on every rank; any difference fails the run.
+
+--write-tuning FILE: after the sweep, writes (or updates) this p's entry of a tuning file
+(ringcoll/tuning.py's format) with, per collective that has "native", the faster of own and
+native at each size: the measured crossovers `auto` then follows. The all-reduce ranges of an
+existing entry are kept (python -m ringcoll.tune measures those).
+
+Exit status: 0 every target met; 3 a target missed; 1 a wrong result; 2 bad arguments.
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import parse_size  # noqa: E402
+from targets import latency_partners, time_calls  # noqa: E402
+
+import ringcoll  # noqa: E402
+
+WORLD = MPI.COMM_WORLD
+SMALL = 64 * 1024  # below: <= 1.5 x MPI; from here up: <= 1.0 x MPI
+LIMITS = (1.5, 1.0)
+ORDER = ("broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
+         "scan", "exscan", "barrier")
+
+
+def own_algorithm(name):
+    return getattr(ringcoll.collectives, name).ALGORITHMS[0]
+
+
+class Setup:
+    """The arrays of one collective at one size and the calls over them: (calls, check)."""
+
+    def __init__(self, name, n, comm, mpi):
+        self.name, self.comm, self.mpi = name, comm, mpi
+        p, r = comm.size, comm.rank
+        k = max(n // 8, 0) if name != "barrier" else 0
+        self.k, self.p, self.r = k, p, r
+        self.root = p - 1 if p > 1 else 0  # not 0: a root other than the default
+        self.x = ((np.arange(k) + 3 * r) % 7).astype(np.float64)
+        self.big = ((np.arange(k * p) + 5 * r) % 11).astype(np.float64)
+        self.outs = {}  # one out per caller, so no two calls share a result
+
+    def out(self, who, size):
+        if who not in self.outs:
+            self.outs[who] = np.full(size, -1.0)
+        return self.outs[who]
+
+    def calls(self, algorithms):
+        """{label: zero-argument call}; label 'mpi' or a ringcoll algorithm name."""
+        name, comm, mpi, k, p = self.name, self.comm, self.mpi, self.k, self.p
+        x, big, root = self.x, self.big, self.root
+        made = {}
+        for alg in ["mpi"] + algorithms:
+            a = None if alg == "auto" else alg
+            if name == "broadcast":
+                buf = self.out(alg, k)
+                buf[...] = x if comm.rank == root else -1
+                made[alg] = (lambda b=buf: mpi.Bcast(b, root=root)) if alg == "mpi" else \
+                    (lambda b=buf, a=a: comm.broadcast(b, root=root, algorithm=a))
+            elif name == "reduce":
+                o = self.out(alg, k)
+                made[alg] = (lambda o=o: mpi.Reduce(x, o, root=root)) if alg == "mpi" else \
+                    (lambda o=o, a=a: comm.reduce(x, root=root, out=o, algorithm=a))
+            elif name in ("scan", "exscan"):
+                o = self.out(alg, k)
+                mpi_fn = mpi.Scan if name == "scan" else mpi.Exscan
+                ours = comm.scan if name == "scan" else comm.exscan
+                made[alg] = (lambda o=o, f=mpi_fn: f(x, o)) if alg == "mpi" else \
+                    (lambda o=o, a=a, f=ours: f(x, out=o, algorithm=a))
+            elif name == "allgather":
+                o = self.out(alg, k * p)
+                made[alg] = (lambda o=o: mpi.Allgather(x, o)) if alg == "mpi" else \
+                    (lambda o=o, a=a: comm.allgather(x, out=o, algorithm=a))
+            elif name == "gather":
+                o = self.out(alg, k * p)
+                made[alg] = (lambda o=o: mpi.Gather(x, o, root=root)) if alg == "mpi" else \
+                    (lambda o=o, a=a: comm.gather(x, root=root, out=o, algorithm=a))
+            elif name == "scatter":
+                o = self.out(alg, k)
+                made[alg] = (lambda o=o: mpi.Scatter(big, o, root=root)) if alg == "mpi" else \
+                    (lambda o=o, a=a: comm.scatter(big, root=root, out=o, algorithm=a))
+            elif name == "reduce_scatter":
+                o = self.out(alg, k)
+                made[alg] = (lambda o=o: mpi.Reduce_scatter_block(big, o)) if alg == "mpi" \
+                    else (lambda o=o, a=a: comm.reduce_scatter(big, out=o, algorithm=a))
+            elif name == "alltoall":
+                o = self.out(alg, k * p)
+                made[alg] = (lambda o=o: mpi.Alltoall(big, o)) if alg == "mpi" else \
+                    (lambda o=o, a=a: comm.alltoall(big, out=o, algorithm=a))
+            elif name == "barrier":
+                made[alg] = mpi.Barrier if alg == "mpi" else \
+                    (lambda a=a: comm.barrier(algorithm=a))
+        return made
+
+    def wrong(self, labels):
+        """Elements where a ringcoll result differs from MPI's (the calls have run once)."""
+        if self.name == "barrier":
+            return 0
+        want = self.outs["mpi"]
+        skip_root_only = self.name in ("reduce", "gather") and self.r != self.root
+        skip_exscan = self.name == "exscan" and self.r == 0  # MPI leaves it undefined
+        if skip_root_only or skip_exscan:
+            return 0
+        return sum(int(np.count_nonzero(self.outs[a] != want)) for a in labels)
+
+
+def floor_call(n, mpi):
+    """ceil(log2 p) back-to-back bare Sendrecv calls of n bytes (targets.py's T4 floor)."""
+    steps = latency_partners(mpi.Get_rank(), mpi.Get_size())
+    send, recv = np.zeros(max(n, 1), np.uint8), np.empty(max(n, 1), np.uint8)
+
+    def call():
+        for dest, source in steps:
+            mpi.Sendrecv(send, dest, 7, recv, source, 7)
+    return call
+
+
+def sweep(args, comm, mpi):
+    p = comm.size
+    sizes, n = [], args.begin
+    while n <= args.end:
+        sizes.append(n)
+        n = n * args.factor if n else 8
+    oversubscribed = p > (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1)
+    rows, wrong = [], 0
+    for name in args.only:
+        has_native = ("native" in getattr(ringcoll.collectives, name).ALGORITHMS
+                      and hasattr(comm._g.t, "native_allreduce"))
+        algorithms = ["auto", own_algorithm(name)] + (["native"] if has_native else [])
+        for n in ([0] if name == "barrier" else sizes):
+            setup = Setup(name, n, comm, mpi)
+            calls = setup.calls(algorithms)
+            for fn in calls.values():
+                fn()
+            bad = setup.wrong(algorithms)
+            bad = WORLD.allreduce(bad, op=MPI.SUM)
+            wrong += bad
+            if oversubscribed and p > 1:
+                calls["floor"] = floor_call(n, mpi)
+            _, plan = time_calls(calls, n, 0, args)
+            med = {k: statistics.median(v) for k, v in plan["round_us"].items()}
+            ref = max(med["mpi"], med.get("floor", 0.0))
+            ratio = med["auto"] / ref if ref > 0 else float("inf")
+            limit = LIMITS[0] if n < SMALL else LIMITS[1]
+            row = {"collective": name, "bytes": n, "us": med, "ratio": ratio, "limit": limit,
+                   "pass": ratio <= limit, "wrong": bad, "rounds": plan["rounds"],
+                   "iters": plan["iters"], "auto": comm._runner._repeats.get(name).plan.algorithm
+                   if name in comm._runner._repeats else None}
+            rows.append(row)
+            if comm.rank == 0:
+                print(line(row, algorithms, oversubscribed), flush=True)
+    return rows, wrong, oversubscribed
+
+
+def line(row, algorithms, oversubscribed):
+    us = row["us"]
+    own = algorithms[1]
+    cols = " ".join(f"{us[a]:>9.1f}" if a in us else f"{'-':>9}" for a in ("mpi", own, "native"))
+    floor = f" {us['floor']:>8.1f}" if "floor" in us else ""
+    verdict = "PASS" if row["pass"] else "MISS"
+    bad = "" if not row["wrong"] else f"  WRONG {row['wrong']}"
+    return (f"{row['collective']:<15} {human(row['bytes']):>7} {cols} {us['auto']:>9.1f}"
+            f"{floor} -> {row['auto'] or '-':<19} {row['ratio']:>6.2f} <= {row['limit']:.1f} "
+            f"{verdict}{bad}")
+
+
+def human(n):
+    for unit, size in (("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def write_tuning(path, rows, comm):
+    """This p's entry of the tuning file at path, with the measured winner (own or native) of
+    every collective that has both, per size (see the module doc)."""
+    ranges = {}
+    for name in dict.fromkeys(r["collective"] for r in rows):
+        mine = [r for r in rows if r["collective"] == name and "native" in r["us"]]
+        if not mine:
+            continue
+        own = own_algorithm(name)
+        picks = [(r["bytes"], "native" if r["us"]["native"] < r["us"][own] else own)
+                 for r in mine]
+        merged = []
+        for nbytes, alg in picks:  # ranges: [max_bytes, algorithm], runs of one winner merged
+            if merged and merged[-1][1] == alg:
+                merged[-1][0] = nbytes
+            else:
+                merged.append([nbytes, alg])
+        ranges[name] = merged
+    data = {"format": "ringcoll-tuning", "version": 1, "entries": []}
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    nodes = [len(m) for m in comm.nodes]
+    entry = next((e for e in data["entries"] if e["p"] == comm.size and e["nodes"] == nodes),
+                 None)
+    if entry is None:
+        entry = {"p": comm.size, "nodes": nodes}
+        data["entries"].append(entry)
+    entry["collectives"] = ranges
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    return ranges
+
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
+    ap.add_argument("-b", "--begin", type=parse_size, default=8)
+    ap.add_argument("-e", "--end", type=parse_size, default=64 << 20)
+    ap.add_argument("-f", "--factor", type=int, default=4)
+    ap.add_argument("--only", default=",".join(ORDER),
+                    help=f"comma list of collectives (default all: {','.join(ORDER)})")
+    ap.add_argument("--budget", type=float, default=0.3, help="seconds per size (default 0.3)")
+    ap.add_argument("--rounds", type=int, default=7, help="shuffled rounds per size (7)")
+    ap.add_argument("--max-iters", type=int, default=2000)
+    ap.add_argument("--write-tuning", metavar="FILE")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    args.only = [c.strip() for c in args.only.split(",") if c.strip()]
+    unknown = [c for c in args.only if c not in ORDER]
+    if unknown or args.factor < 2 or args.begin > args.end:
+        ap.error(f"unknown collective(s) {unknown} (choose from {ORDER}), or -f < 2, or -b > -e")
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    mpi = WORLD.Dup()
+    comm = ringcoll.Communicator(WORLD)
+    if comm.rank == 0:
+        print(f"# ringcoll bench: collectives_sweep, -n {comm.size}, "
+              f"{MPI.Get_library_version().splitlines()[0].strip()}")
+        print(f"# us per call, median of {args.rounds} shuffled rounds (max over ranks); "
+              "ratio = auto / mpi (auto / max(mpi, floor) when oversubscribed)")
+        print(f"# {'collective':<13} {'bytes':>7} {'mpi':>9} {'own':>9} {'native':>9} "
+              f"{'auto':>9}  auto ran             ratio")
+    rows, wrong, over = sweep(args, comm, mpi)
+    misses = [r for r in rows if not r["pass"]]
+    if comm.rank == 0:
+        if over:
+            print("# oversubscribed: ratios are against max(mpi, the latency floor)")
+        print(f"# {len(rows) - len(misses)} of {len(rows)} targets met; "
+              f"{wrong} wrong element(s)")
+        for r in misses:
+            print(f"# MISS {r['collective']} {human(r['bytes'])}: {r['ratio']:.2f} > "
+                  f"{r['limit']}")
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"p": comm.size, "oversubscribed": over, "rows": rows}, f, indent=1)
+        if args.write_tuning:
+            ranges = write_tuning(args.write_tuning, rows, comm)
+            print(f"# wrote the p={comm.size} collectives ranges to {args.write_tuning}: "
+                  f"{json.dumps(ranges)}")
+    comm.close()
+    return 1 if wrong else 3 if misses else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
