@@ -66,7 +66,7 @@ DTYPE = np.dtype(np.int64)
 LABEL = 1 << 32  # a label is (element + 1) * LABEL + (bitmask of ranks)
 MAX_P = 32  # the labels' low 32 bits: one per rank
 HEADER_BYTES = 48  # checks.neighbour_check: (collective, count, op, dtype name x2, itemsize)
-META_BYTES = 48  # allgather's row-count exchange: 6 int64 per rank
+META_BYTES = 56  # allgather's row-count exchange on a first call: 7 int64 per rank
 READABLE_P = 8  # beyond this the state tables are left out and the schedule is abbreviated
 MAX_ROWS = 64  # schedule rows shown before abbreviating
 MAX_STATE_ELEMS = 48
@@ -510,7 +510,8 @@ FORMULA_TEXT = {
     "reduce_scatter": "n - c[r] elements sent, n - c[r-1] received (c[b]: block b's size; "
                       "(p-1)/p n when p divides n), plus the 48-byte header check each way",
     "allgather": "n - c[r+1] elements sent, n - c[r] received (n: the gathered size; (p-1)/p n "
-                 "when p divides n), plus p-1 row-count messages of 48 bytes each way",
+                 "when p divides n), plus p-1 row-count messages of 56 bytes each way (a "
+                 "repeated call of small rows carries them in those messages instead)",
     "tree": "n times the number of children in the binomial tree (v = (rank - root) % p: v + "
             "2^j for each 2^j below v's lowest set bit), and n from the parent",
     "alltoall": "(p-1)/p n each way (n: one rank's input)",

@@ -22,6 +22,7 @@ class Group:
         self.host = self.sides.host  # NumPy arrays' side: its transport is the group's own
         self.progress = transport.progress  # the running collective, for errors and watchdog
         self.choices = BoundedCache()  # auto's picks: (nbytes, inplace) or ("inner", nbytes)
+        self.slots = {}  # collective -> bytes of rows that ride with its counts (allgather.Rows)
         self.closed = False
 
     @property

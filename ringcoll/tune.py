@@ -296,7 +296,12 @@ def read_existing(path):
 
 
 def merge(existing, entry):
-    """The file's entries with this entry in place of the one of the same p and node shape."""
+    """The file's entries with this entry in place of the one of the same p and node shape
+    (whose "collectives" ranges, measured by bench/collectives_sweep.py, are kept)."""
+    same = [e for e in (existing or {}).get("entries", [])
+            if (e.get("p"), e.get("nodes")) == (entry["p"], entry["nodes"])]
+    if same and "collectives" in same[0] and "collectives" not in entry:
+        entry = {**entry, "collectives": same[0]["collectives"]}
     kept = [e for e in (existing or {}).get("entries", [])
             if (e.get("p"), e.get("nodes")) != (entry["p"], entry["nodes"])]
     entries = sorted(kept + [entry], key=lambda e: (e["p"], e["nodes"]))

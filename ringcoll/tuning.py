@@ -37,7 +37,21 @@ its own p and node shape and keeps the others. An entry, of which only "p", "nod
    "model": {"alpha": 1.5e-05, "beta": 3.6e-10, "gamma": 1.7e-10, "fallback": true, ...},
    "measured": {...the medians it was made from...}, "mpi_library": ..., "hosts": ..., ...}
 
-A mode that is missing uses the other mode's ranges. "model" holds the fitted alpha (s per
+A mode that is missing uses the other mode's ranges.
+
+The other collectives (broadcast, reduce, allgather, reduce_scatter, alltoall, barrier, scan,
+exscan: those with a "native" algorithm) choose between their own algorithm and the MPI
+library's from an entry's optional "collectives", which bench/collectives_sweep.py
+--write-tuning measures and writes (tune keeps it when it replaces the entry):
+
+  "collectives": {"broadcast": [[512, "native"], [67108864, "tree"]],
+                  "allgather": [[67108864, "native"]], ...}
+
+nbytes is what every rank agrees on: the buffer (broadcast, reduce, scan, exscan), the input
+(reduce_scatter, alltoall), the gathered result (allgather), 0 for barrier. A collective the
+entry does not list, or a p without an entry, runs its own algorithm (the first of its
+ALGORITHMS) under auto. An entry may hold only "collectives", then the all-reduce uses the
+cost model. "model" holds the fitted alpha (s per
 message), beta (s per byte moved) and gamma (s per byte reduced); tune sets "fallback" only
 when the fit's picks were at least as good as CostModel()'s defaults on the entry's own
 measurements (three numbers often cannot describe a machine where Python's per-step cost
@@ -80,16 +94,27 @@ class Table:
     nodes: tuple  # ranks per node, in rank order
     ranges: dict  # mode -> ((max_bytes, algorithm), ...) ascending in max_bytes
     model: CostModel | None  # the fitted model auto may fall back on (None: none, or not to)
+    collectives: dict = None  # collective name -> ((max_bytes, algorithm), ...)
 
     def choose(self, nbytes, inplace):
-        """The algorithm of the first range reaching nbytes; the last one beyond them all."""
+        """The algorithm of the first range reaching nbytes; the last one beyond them all
+        (None: the entry has no all-reduce ranges)."""
         ranges = self.ranges.get("inplace" if inplace else "outofplace")
         if not ranges:  # a hand-written entry with one mode: use it for both
-            ranges = self.ranges["outofplace" if inplace else "inplace"]
-        for max_bytes, name in ranges:
-            if nbytes <= max_bytes:
-                return name
-        return ranges[-1][1]
+            ranges = self.ranges.get("outofplace" if inplace else "inplace")
+        return _lookup(ranges, nbytes) if ranges else None
+
+    def choose_collective(self, collective, nbytes):
+        """The measured algorithm of another collective at nbytes, or None (not measured)."""
+        ranges = (self.collectives or {}).get(collective)
+        return _lookup(ranges, nbytes) if ranges else None
+
+
+def _lookup(ranges, nbytes):
+    for max_bytes, name in ranges:
+        if nbytes <= max_bytes:
+            return name
+    return ranges[-1][1]
 
 
 class Tuning:
@@ -179,6 +204,12 @@ class Tuning:
         table = self.table(p, nodes)
         return None if table is None else table.choose(nbytes, inplace)
 
+    def choose_collective(self, collective, nbytes, p, nodes):
+        """The measured algorithm of collective (not the all-reduce) for nbytes at p ranks on
+        `nodes`, or None (no entry, or it does not list this collective)."""
+        table = self.table(p, nodes)
+        return None if table is None else table.choose_collective(collective, nbytes)
+
     def cost_model(self, p):
         """The fitted CostModel of the entry whose p is closest to p (the smaller p on a tie),
         or None (CostModel()'s defaults then) if that entry has no fit marked as a fallback."""
@@ -227,14 +258,36 @@ def _table(entry, where):
     for mode in MODES:
         if mode in entry:
             ranges[mode] = _ranges(entry[mode], p, nodes, f"{where}, {mode}")
-    if not ranges:
+    collectives = _collectives(entry.get("collectives"), p, nodes, f"{where}, collectives")
+    if not ranges and not collectives:
         raise TuningFileError(f"{where}: needs \"outofplace\" or \"inplace\" ranges, "
-                              "[[max_bytes, algorithm], ...]")
-    return Table(p, tuple(nodes), ranges, _model(entry.get("model"), where))
+                              "[[max_bytes, algorithm], ...], or \"collectives\"")
+    return Table(p, tuple(nodes), ranges, _model(entry.get("model"), where), collectives)
 
 
-def _ranges(ranges, p, nodes, where):
+def _collectives(found, p, nodes, where):
+    """An entry's "collectives": {name: ranges} checked against each collective's algorithms."""
+    from . import collectives  # (here: collectives import the runner, not the other way)
+
+    if found is None:
+        return {}
+    if not isinstance(found, dict):
+        raise TuningFileError(f"{where}: must map collective names to [[max_bytes, "
+                              "algorithm], ...]")
+    out = {}
+    for name, ranges in found.items():
+        module = getattr(collectives, name, None)
+        if name == "allreduce" or not hasattr(module, "ALGORITHMS"):
+            raise TuningFileError(f"{where}: {name!r} is not a collective with choices here "
+                                  "(the all-reduce has its own ranges)")
+        out[name] = _ranges(ranges, p, nodes, f"{where}, {name}", module.ALGORITHMS)
+    return out
+
+
+def _ranges(ranges, p, nodes, where, names=None):
+    """Checked [[max_bytes, algorithm], ...] of the all-reduce (names None) or a collective."""
     hierarchical_ok = 1 < len(nodes) < p
+    names = ALLREDUCE if names is None else names
     if not isinstance(ranges, list) or not ranges:
         raise TuningFileError(f"{where}: must be a non-empty list of [max_bytes, algorithm]")
     out, last = [], -1
@@ -242,9 +295,9 @@ def _ranges(ranges, p, nodes, where):
         if not (isinstance(item, list) and len(item) == 2 and _is_int(item[0])):
             raise TuningFileError(f"{where}: {item!r} is not [max_bytes, algorithm]")
         max_bytes, name = item
-        if name not in ALLREDUCE:
+        if name not in names:
             raise TuningFileError(f"{where}: unknown algorithm {name!r}; use one of "
-                                  f"{sorted(ALLREDUCE)}")
+                                  f"{sorted(names)}")
         if name == "hierarchical" and not hierarchical_ok:
             raise TuningFileError(f"{where}: hierarchical needs ranks on more than one node "
                                   f"and fewer than p nodes; nodes={nodes}")

@@ -1249,8 +1249,12 @@ def check_scan(comms, light):
                     mine = x.copy() if mode == 2 else x
                     out = {0: None, 1: np.full(shape, 7, dtype), 2: mine}[mode]
                     kept = None if out is None else out.copy()
+                    # every other case through MPI's own call (algorithm='native')
+                    algorithm = "native" if native and slot % 4 < 2 else None
+                    label += f" {algorithm or 'auto'}"
                     y = CK.attempt(label, lambda: getattr(comm, name)(
-                        mine, op=mpi_ops[op] if slot % 2 else op, out=out))
+                        mine, op=mpi_ops[op] if slot % 2 else op, out=out,
+                        algorithm=algorithm))
                     if native:  # MPI's own call on the same input
                         ref = np.zeros_like(x)
                         getattr(WORLD, "Scan" if name == "scan" else "Exscan")(

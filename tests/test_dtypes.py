@@ -13,6 +13,7 @@ import pytest
 
 import ringcoll
 from ringcoll import netsim
+from ringcoll.collectives.allgather import META
 from ringcoll.transport.simulated import SEND
 
 import _oracle as O
@@ -230,7 +231,7 @@ def test_same_struct_with_other_padding_is_a_mismatch():
 @pytest.mark.parametrize("dtype", [O.PADDED_STRUCT, np.dtype("U3"), np.dtype(bool)])
 def test_traced_bytes_and_payloads(dtype):
     """The TracingTransport counts bytes, whatever the dtype: the ring all-gather of n bytes
-    sends (p-1)/p n from every rank (plus the 6-number row exchange), and each payload is the
+    sends (p-1)/p n from every rank (plus the META-number row exchange), and each payload is the
     bytes of a block."""
     p, rows = 4, 3
     xs = [O.make_bytes(7, r, (rows, 2), dtype) for r in range(p)]
@@ -244,7 +245,7 @@ def test_traced_bytes_and_payloads(dtype):
     for r in range(p):
         _same(f"rank {r}", results[r], expected, failures)
         data = trace.select(src=r, tag="ring_allgather").messages
-        meta = [m for m in data if m.nbytes == 6 * 8]  # the row counts' ring
+        meta = [m for m in data if m.nbytes == META * 8]  # the row counts' ring (first call)
         blocks = [m for m in data if m not in meta]
         if sum(m.nbytes for m in blocks) != (p - 1) * rows * 2 * dtype.itemsize:
             failures.append(f"rank {r}: sent {[m.nbytes for m in blocks]} bytes of blocks")
@@ -268,8 +269,8 @@ def test_simulated_transport_logs_bytes():
     for r in range(p):
         _same(f"rank {r}", results[r], O.concat_bytes(xs, dtype, ()), failures)
         sent = sum(op[3] for op in transports[r].ops if op[0] == SEND)
-        # p-1 ring steps of 5 int64 row counts, then every block but the last one to arrive
-        want = (p - 1) * 6 * 8 + sum(xs[q].nbytes for q in range(p) if q != (r + 1) % p)
+        # p-1 ring steps of META int64 row counts, then every block but the last one to arrive
+        want = (p - 1) * META * 8 + sum(xs[q].nbytes for q in range(p) if q != (r + 1) % p)
         if sent != want:
             failures.append(f"rank {r}: logged {sent} bytes sent, expected {want}")
     check_all(failures)

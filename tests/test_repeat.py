@@ -169,3 +169,80 @@ def test_no_repeat_without_out_or_for_a_copied_input():
             np.testing.assert_array_equal(r, np.repeat([k, k + 1, k + 2], 8))
         for k, g in enumerate(got):
             np.testing.assert_array_equal(g, np.full(8, k * (rank + 1)))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4])
+def test_rows_that_ride_with_the_counts_as_sizes_grow_and_shrink(p):
+    """allgather and gather with row counts that change call to call (growing past the slot,
+    shrinking, zero, one rank only, past SLOT_MAX), uneven across ranks, a structured dtype
+    among them: every result equals NumPy's concatenation, on every rank, whether the rows
+    came in the count exchange or after it."""
+    from ringcoll.collectives.allgather import SLOT_MAX
+
+    rec = np.dtype([("a", np.int8), ("b", np.float64)])  # padded: its bytes must all arrive
+    plans = [[3] * p, [3] * p, [5] * p, [5] * p, [1] * p, [0] * p, [0] * p,
+             [r % 2 for r in range(p)], [4 + r for r in range(p)], [4 + r for r in range(p)],
+             [SLOT_MAX // 8 + 1] * p, [2] * p, [2] * p]
+
+    def rows_of(q, k, n, dtype):
+        x = np.zeros(n, dtype)
+        if dtype == rec:
+            x["a"], x["b"] = q + k, np.arange(n) + 0.5 * q
+        else:
+            x[...] = np.arange(n) + 100 * q + k
+        return x
+
+    def body(comm):
+        made = []
+        for k, counts in enumerate(plans):
+            for dtype in (np.float64, rec):
+                x = rows_of(comm.rank, k, counts[comm.rank], dtype)
+                out = np.empty(sum(counts), dtype)
+                got = comm.allgather(x, out=out)
+                root = k % p
+                g = comm.gather(x, root=root)
+                want = np.concatenate([rows_of(q, k, c, dtype) for q, c in enumerate(counts)])
+                made.append((k, dtype, got.tobytes() == want.tobytes(),
+                             g is None if comm.rank != root else g.tobytes() == want.tobytes()))
+        return made
+
+    for rank, made in enumerate(run(p, body)):
+        for k, dtype, ag, ga in made:
+            assert ag and ga, f"rank {rank} call {k} {dtype}: allgather ok {ag}, gather ok {ga}"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_repeated_small_allgather_is_one_exchange(p):
+    """The traced messages: the first call exchanges the counts, then the rows; a repeat
+    carries the rows in its count exchange, so it sends p-1 messages per rank, not 2(p-1)."""
+    from ringcoll.collectives.allgather import META
+
+    def body(comm):
+        x, out = np.full(3, float(comm.rank)), np.empty(3 * comm.size)
+        comm.allgather(x, out=out)
+        with comm.trace() as trace:
+            comm.allgather(x, out=out)
+        assert (out == np.repeat(np.arange(comm.size), 3)).all()
+        return [m.nbytes for m in trace.messages if m.src == comm.rank]
+
+    for rank, sent in enumerate(run(p, body)):
+        assert sent == [META * 8 + 24] * (p - 1), f"rank {rank}: {sent}"
+
+
+def test_two_plans_of_one_collective_share_the_slot_size():
+    """Two allgathers on different arrays alternate (two plans), one with bigger rows: the slot
+    size the communicator keeps changes under each plan between its calls; every result must
+    still be right (each plan's buffers follow the slot size it finds)."""
+    def body(comm):
+        small, big = np.full(2, comm.rank, np.int64), np.full(40, comm.rank, np.int64)
+        out_s, out_b = np.empty(2 * comm.size, np.int64), np.empty(40 * comm.size, np.int64)
+        ok = []
+        for k in range(6):
+            small[...], big[...] = comm.rank + k, comm.rank - k
+            a = comm.allgather(small, out=out_s).copy()
+            b = comm.allgather(big, out=out_b).copy()
+            ok.append((a == np.repeat(np.arange(comm.size) + k, 2)).all()
+                      and (b == np.repeat(np.arange(comm.size) - k, 40)).all())
+        return ok
+
+    assert all(all(ok) for ok in run(3, body))

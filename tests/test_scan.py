@@ -315,8 +315,11 @@ def test_errors(name):
     expect_error_on_every_rank(2, lambda comm: c(comm, np.ones(3), out=np.empty(3, np.int64)),
                                ValueError, "dtype float64")
     expect_error_on_every_rank(2, lambda comm: c(comm, np.ones(3), algorithm="ring"),
-                               ValueError, "unknown algorithm 'ring'; use 'auto' or "
-                               "'recursive_doubling'")
+                               ValueError, "unknown algorithm 'ring'; use 'auto', "
+                               "'recursive_doubling' or 'native'")
+    # 'native' is MPI_Scan: the thread transport has none, and says so
+    expect_error_on_every_rank(2, lambda comm: c(comm, np.ones(3), algorithm="native"),
+                               ValueError, "algorithm 'native' needs the MPI transport")
     strided = np.ones((3, 4))[:, ::2]
     expect_error_on_every_rank(2, lambda comm: c(comm, strided, out=strided),
                                ValueError, "in-place (out=x) needs a contiguous x")
@@ -325,8 +328,8 @@ def test_errors(name):
 def test_in_the_registry_and_on_the_facade():
     from ringcoll.collectives import COLLECTIVES
 
-    assert COLLECTIVES["scan"].ALGORITHMS == ("recursive_doubling",)
-    assert COLLECTIVES["exscan"].ALGORITHMS == ("recursive_doubling",)
+    assert COLLECTIVES["scan"].ALGORITHMS == ("recursive_doubling", "native")
+    assert COLLECTIVES["exscan"].ALGORITHMS == ("recursive_doubling", "native")
     assert ringcoll.Communicator.scan.__doc__.startswith("Inclusive prefix reduction")
     assert ringcoll.Communicator.exscan.__doc__.startswith("Exclusive prefix reduction")
     assert Tag.SCAN.name == "SCAN" and len({int(t) for t in Tag}) == len(Tag)

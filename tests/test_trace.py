@@ -16,6 +16,7 @@ import pytest
 
 import ringcoll
 from ringcoll.arrays import Partition
+from ringcoll.collectives.allgather import META
 from ringcoll.collectives.allreduce import pick_inner
 from ringcoll.runner import NO_REPLAY
 from ringcoll.transport.trace import TracingTransport
@@ -335,9 +336,9 @@ def test_other_collectives(p):
     check_costs(trace.select(seq=1), p, lambda r: with_header(
         ring_reduce_scatter([c * cols for c in rs], r, w, S), p), f"reduce_scatter p={p}")
 
-    # allgather: first every rank's 6 int64 of metadata (row counts...), then the rows
+    # allgather: first every rank's META int64 of metadata (row counts...), then the rows
     check_costs(trace.select(seq=2), p, lambda r: (
-        ring_allgather([6] * p, r, 8, S) + ring_allgather([c * cols for c in rows], r, w, S)),
+        ring_allgather([META] * p, r, 8, S) + ring_allgather([c * cols for c in rows], r, w, S)),
         f"allgather p={p}")
 
     def tree(r, n, up, root=root):

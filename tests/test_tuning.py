@@ -407,3 +407,81 @@ def test_auto_follows_a_hand_written_table_under_mpi(tmp_path):
     assert "picked [('rabenseifner', 'ring'), ('rabenseifner', 'ring')]" in log, log
     assert "shape=[256], in_place=False) on 2 ranks -> rabenseifner" in log, log
     assert "shape=[256], in_place=True) on 2 ranks -> ring" in log, log
+
+
+# -- the other collectives' ranges (bench/collectives_sweep.py --write-tuning) -------------------
+def test_collective_ranges_are_looked_up_per_collective_and_checked():
+    t = Tuning.from_dict(tuning_file(entry(2, collectives={
+        "broadcast": [[512, "native"], [1 << 20, "tree"]], "scan": [[64, "native"]]})))
+    two = [[0, 1]]
+    assert [t.choose_collective("broadcast", n, 2, two) for n in (8, 512, 513, 1 << 30)] == [
+        "native", "native", "tree", "tree"]
+    assert t.choose_collective("scan", 1 << 20, 2, two) == "native"  # the last range beyond
+    assert t.choose_collective("reduce", 8, 2, two) is None  # not measured: its own algorithm
+    assert t.choose_collective("broadcast", 8, 3, [[0, 1, 2]]) is None  # no entry for p=3
+    assert t.choose(8, 2, two) is None  # an entry of collectives only: the cost model decides
+    for bad, message in [({"broadcast": [[8, "ring"]]}, "unknown algorithm 'ring'"),
+                         ({"allreduce": [[8, "ring"]]}, "the all-reduce has its own ranges"),
+                         ({"frobnicate": [[8, "tree"]]}, "'frobnicate' is not a collective"),
+                         ({"reduce": [[8, "native"], [4, "tree"]]}, "max_bytes must increase")]:
+        with pytest.raises(TuningFileError, match=message):
+            Tuning.from_dict(tuning_file(entry(2, collectives=bad)))
+
+
+def test_tune_keeps_the_collectives_ranges_of_the_entry_it_replaces():
+    old = tuning_file(entry(2, outofplace=[[8, "ring"]], collectives={"barrier": [[0, "native"]]}))
+    merged = tune.merge(old, entry(2, outofplace=[[8, "rabenseifner"]]))
+    (e,) = merged["entries"]
+    assert e["outofplace"] == [[8, "rabenseifner"]] and e["collectives"] == {
+        "barrier": [[0, "native"]]}
+
+
+def test_thread_ranks_never_run_a_measured_native():
+    """A table that says native where the transport has no MPI (threads): the collective runs
+    its own algorithm, correctly, instead of failing."""
+    table = Tuning.from_dict(tuning_file(entry(3, collectives={
+        "broadcast": [[1 << 30, "native"]], "scan": [[1 << 30, "native"]],
+        "allgather": [[1 << 30, "native"]], "barrier": [[0, "native"]]})))
+
+    def body(comm):
+        x = np.arange(4.0) if comm.rank == 0 else np.zeros(4)
+        comm.broadcast(x)
+        comm.barrier()
+        s = comm.scan(np.ones(2))
+        g = comm.allgather(np.full(2, comm.rank))
+        return x.tolist(), s.tolist(), g.tolist()
+
+    for rank, (x, s, g) in enumerate(run(3, body, tuning=table)):
+        assert x == [0, 1, 2, 3] and s == [rank + 1] * 2 and g == [0, 0, 1, 1, 2, 2]
+
+
+COLLECTIVES_SCRIPT = """
+import numpy as np, ringcoll
+comm = ringcoll.Communicator()
+x = np.arange(64.0)                     # 512 B
+comm.broadcast(x); comm.broadcast(np.arange(512.0))
+y = comm.scan(x); z = comm.exscan(np.arange(512.0))
+g = comm.allgather(x); comm.barrier()
+assert (y == x * (comm.rank + 1)).all() and (g == np.tile(x, comm.size)).all()
+assert comm.rank == 0 or (z == np.arange(512.0) * comm.rank).all()
+"""
+
+
+@needs_mpi
+def test_auto_follows_hand_written_collective_ranges_under_mpi(tmp_path):
+    table = tmp_path / "forced.json"
+    table.write_text(json.dumps(tuning_file(entry(2, collectives={
+        "broadcast": [[512, "native"], [1 << 30, "tree"]], "scan": [[512, "native"]],
+        "exscan": [[512, "native"], [1 << 30, "recursive_doubling"]],
+        "allgather": [[4096, "native"], [1 << 30, "ring"]], "barrier": [[0, "native"]]}))))
+    script = tmp_path / "check.py"
+    script.write_text(COLLECTIVES_SCRIPT)
+    rc, log = launch(2, [str(script)], {"RINGCOLL_TUNING": str(table), "RINGCOLL_DEBUG": "1"})
+    assert rc == 0, log
+    for want in ["broadcast #1 (dtype=float64, shape=[64], root=0) on 2 ranks -> native",
+                 "broadcast #2 (dtype=float64, shape=[512], root=0) on 2 ranks -> tree",
+                 "scan #3 (op=sum, dtype=float64, shape=[64]) on 2 ranks -> native",
+                 "exscan #4 (op=sum, dtype=float64, shape=[512]) on 2 ranks -> "
+                 "recursive_doubling", "allgather #5", "-> auto", "barrier #6 () on 2 ranks "
+                 "-> native"]:
+        assert want in log, (want, log)

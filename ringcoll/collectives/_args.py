@@ -10,7 +10,8 @@ from functools import partial
 
 import numpy as np
 
-from ..arrays import array_module, check_dtype, check_movable, flat_view, is_device, writeable
+from ..arrays import (HALF_TYPES, array_module, check_dtype, check_movable, flat_view, is_device,
+                      writeable)
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..ops import check_op_dtype, get_op
 
@@ -207,16 +208,37 @@ def layout(dtype, trail):
     return zlib.crc32(f"{dtype.str} {dtype_key(dtype)} {tuple(trail)}".encode())
 
 
-def pick_simple(algorithm, names, ctx, g=None, side=None):
-    """The algorithm of a collective whose choice is the caller's alone: names is its
-    ALGORITHMS, the first being what 'auto' (or None) runs, except that device buffers
-    (side.device set) run 'node', the node tier, where names has it and every rank shares
-    one node (g.nodes): device to device, not through the host's MPI."""
+#: the transport method behind each collective's 'native' algorithm
+NATIVE_CALLS = {"broadcast": "native_bcast", "reduce": "native_reduce", "scan": "native_scan",
+                "exscan": "native_exscan", "allgather": "native_allgather",
+                "reduce_scatter": "native_reduce_scatter", "alltoall": "native_alltoall",
+                "barrier": "native_barrier"}
+
+
+def pick_simple(algorithm, names, ctx, g=None, side=None, measured=None):
+    """The algorithm of a collective other than the all-reduce: names is its ALGORITHMS.
+
+    auto (or None): device buffers (side.device set) run 'node', the node tier, where names
+    has it and every rank shares one node (g.nodes): device to device, not through the host's
+    MPI. Otherwise, with measured = (collective, nbytes, dtype), the winner g's tuning table
+    measured at nbytes (what every rank agrees on; see ringcoll.tuning), if this transport can
+    run it ('native' needs the MPI library's call, and for a reduction a dtype MPI reduces);
+    else names[0], ringcoll's own algorithm."""
     if algorithm in (None, "auto"):
+        side = side if side is not None else (g.host if g is not None else None)
         if side is not None and side.device is not None and "node" in names \
                 and len(g.nodes) == 1 and g.size > 1 and side.ws.node_tier \
                 and hasattr(side.t, "shared"):
             return "node"
+        if measured is not None and g.tuning is not None:
+            collective, nbytes, dtype = measured
+            found = g.tuning.choose_collective(collective, nbytes, g.size, g.nodes)
+            if found == "native":
+                if hasattr(side.t, NATIVE_CALLS[collective]) and (dtype is None
+                                                                   or dtype not in HALF_TYPES):
+                    return found
+            elif found in names and found != "node":  # node: chosen above, or not at all
+                return found
         return names[0]
     if algorithm in names:
         return algorithm

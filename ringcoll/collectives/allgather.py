@@ -6,6 +6,11 @@ per rank (rows), then the data. The ringcoll algorithm is the ring's all-gather 
 (algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "node" the
 node tier's (algorithms/node.py: each rank copies the blocks it lacks from the others' shared
 memory; the default for CuPy arrays on one node); "native" is MPI_Allgatherv.
+
+auto, where the communicator's tuning table lists the all-gather (bench/collectives_sweep.py
+measured it), picks ring or native once the counts are in, from the gathered bytes, which
+every rank then knows alike (its own x's bytes may differ between ranks); the counts then
+travel by MPI's own all-gather where the transport has it.
 """
 
 import zlib
@@ -30,29 +35,39 @@ def plan(g, ctx, x, out, algorithm, counts=None):
     x, side = _args.rows_input(g, x, ctx, movable=True)
     counts = expected_counts(g, counts, ctx)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
+    measured = (algorithm in (None, "auto") and name == ALGORITHMS[0] and g.tuning is not None
+                and g.tuning.choose_collective(NAME, 0, g.size, g.nodes) is not None)
     if name == "native":
         native.check(side.t, None, ctx)
     if out is not None:  # all but its row count can be checked now; that comes later
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
-    exchange = Rows(g, x, out, name, expect=counts)
+    native_counts = name == "native" or (measured and hasattr(g.t, "native_allgather"))
+    exchange = Rows(g, x, out, "native" if native_counts else "ring", expect=counts, src=src)
     target = Target(out, x, ctx, side)
+    row_bytes = _args.row_elems(x) * x.dtype.itemsize
+    chosen = [None, name]  # auto's pick for the last counts seen (a repeat keeps the list)
 
     def run():
-        got = exchange()  # host numbers, over the host transport
+        got, carried = exchange()  # host numbers, over the host transport
         part, result, dst, copy_to = target(got)
-        if name == "native":
+        if measured and got is not chosen[0]:
+            chosen[:] = got, _args.pick_simple(None, ALGORITHMS, ctx, g, side,
+                                                (NAME, sum(got) * row_bytes, None))
+        if carried:  # every rank's rows came with the counts
+            exchange.unpack(dst)
+        elif chosen[1] == "native":
             side.t.native_allgather(src, dst, part.counts)
         else:
             dst[part.slices[g.rank]] = src
-            (node if name == "node" else ring).allgather(side.t, dst, part, side.ws)
+            (node if chosen[1] == "node" else ring).allgather(side.t, dst, part, side.ws)
         _args.copy_rows(dst, copy_to)
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
     fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
-    return Plan(NAME, name, fields, _args.on_side(run, side),
+    return Plan(NAME, "auto" if measured else name, fields, _args.on_side(run, side),
                 repeatable=x is given and out is not None)
 
 
@@ -104,45 +119,114 @@ class Target:
         return answer
 
 
+#: bytes of a rank's rows that may ride in its slot of the count exchange (see Rows)
+SLOT_MAX = 8192
+META = 7  # numbers per rank: rows, row elements, ndim, layout crc, out rows, counts crc, carried
+
+
 class Rows:
     """Every rank's row count, once all ranks know that dtypes, trailing shapes, the row
     counts of the out= arrays and any expected counts agree (else every rank raises, so none
-    is left waiting): calling it runs the exchange and returns the counts.
+    is left waiting): calling it runs the exchange and returns (the counts, whether every
+    rank's rows came with them: then unpack() writes them out and no data phase is needed).
 
     expect: this rank's counts= (what it expects each rank to send), or None. Only a
     fingerprint of it travels, so every rank can tell whether some rank expected otherwise.
-    The 6 numbers per rank travel by ringcoll's ring all-gather, or by MPI's own for
-    algorithm='native' (so the native baseline pays no ringcoll step).
+    The numbers travel by ringcoll's ring all-gather, or by MPI's own (name 'native': for
+    algorithm='native', so the native baseline pays no ringcoll step, and for auto with a
+    measured table).
+
+    Small rows ride with the counts: every rank's slot in the exchange is its META numbers and
+    S bytes, S being the largest block of the last exchange of this collective on this
+    communicator (up to SLOT_MAX; 0 at first). S is the same on every rank without a message,
+    since every rank saw that exchange's counts. A rank whose rows fit in S sends them in its
+    slot and says so (the "carried" number); when every rank did, the call is over after this
+    one exchange, so a repeated small all-gather or gather costs one collective, not two.
+    src: this rank's rows as host bytes to carry (None: never carried, e.g. device memory).
 
     Built once per plan, so a repeated call (runner.Repeat) only exchanges: this rank's
     numbers are computed here, and when every rank's numbers come back as they were last
     time, the counts judged then are returned again (the very same list) unjudged.
     """
 
-    def __init__(self, g, x, out, name, collective=NAME, expect=None):
+    def __init__(self, g, x, out, name, collective=NAME, expect=None, src=None):
         self.g, self.x, self.out, self.name = g, x, out, name
         self.collective, self.expect = collective, expect
         layout = _args.layout(x.dtype, x.shape[1:])
         out_rows = -1 if out is None else out.shape[0]
-        self.mine = np.array([x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
-                              -1 if expect is None else _crc(expect)], dtype=np.int64)
-        self.meta = np.empty((g.size, self.mine.size), dtype=np.int64)
-        self.part = g.host.ws.partition(self.meta.size, g.size)
-        self.agreed, self.got = None, None  # the last meta judged good, and its counts
+        self.numbers = [x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
+                        -1 if expect is None else _crc(expect), 0]
+        self.src = None if src is None or not isinstance(src, np.ndarray) else \
+            src.view(np.uint8)
+        self.row_bytes = _args.row_elems(x) * x.dtype.itemsize
+        self.slot = None  # the buffers of the current slot size (see _buffers)
+        self.got = None  # the counts judged last
+        self.seen, self.carried = None, False  # the last headers received, and their verdict
+        self.unpacking = None  # (got, dst, [(into, from)]): unpack's copies for them
+
+    def _buffers(self, width):
+        """Send and receive buffers for slots of `width` bytes, with views of this rank's
+        numbers (written once), its payload and every rank's numbers."""
+        g, head = self.g, META * 8
+        send, recv = np.zeros(width, np.uint8), np.empty((g.size, width), np.uint8)
+        mine = send[:head].view(np.int64)
+        mine[:] = self.numbers
+        src = self.src
+        fits = src is not None and src.size <= width - head
+        mine[6] = fits  # "carried": this rank's rows are in its slot
+        payload = send[head:head + src.size] if fits else None
+        self.slot = (width, send, recv, recv.reshape(-1), payload,
+                     g.host.ws.partition(recv.size, g.size))
 
     def __call__(self):
-        g, meta = self.g, self.meta
-        flat = meta.reshape(-1)
+        g = self.g
+        width = META * 8 + g.slots.get(self.collective, 0)
+        if self.slot is None or self.slot[0] != width:
+            self._buffers(width)
+        _, send, recv, flat, payload, part = self.slot
+        if payload is not None:
+            payload[...] = self.src
         if self.name == "native":
-            g.t.native_allgather(self.mine, flat, self.part.counts)
+            g.t.native_allgather(send, flat, part.counts)
         else:
-            meta[g.rank] = self.mine
-            ring.allgather(g.t, flat, self.part, g.host.ws)
-        if self.agreed is not None and np.array_equal(meta, self.agreed):
-            return self.got
-        self.got = _judge(g, meta, self.mine, self.x, self.out, self.collective, self.expect)
-        self.agreed = meta.copy()
-        return self.got
+            recv[g.rank] = send
+            ring.allgather(g.t, flat, part, g.host.ws)
+        headers = recv[:, :META * 8].tobytes()
+        if headers != self.seen:  # another call than the last: judge it
+            meta = np.frombuffer(headers, np.int64).reshape(g.size, META)
+            if self.seen is None or headers_differ(headers, self.seen, g.size):
+                self.got = _judge(g, meta, meta[g.rank], self.x, self.out, self.collective,
+                                  self.expect)
+                sizes = [c * self.row_bytes for c in self.got]
+                self.offsets = np.cumsum([0] + sizes).tolist()
+                self.next_slot = -(-max(sizes) // 8) * 8 if max(sizes) <= SLOT_MAX else 0
+            self.seen, self.carried = headers, bool(meta[:, 6].all())
+        g.slots[self.collective] = self.next_slot  # the same on every rank: all saw got
+        return self.got, self.carried
+
+    def unpack(self, dst):
+        """Copy the rows that came in the slots into dst (flat, the result's bytes in rank
+        order): one strided copy when every block has the same size."""
+        if self.unpacking is None or self.unpacking[0] is not self.got \
+                or self.unpacking[1] is not dst or self.unpacking[3] is not self.slot:
+            recv, offsets, head, p = self.slot[2], self.offsets, META * 8, self.g.size
+            out = dst.view(np.uint8)
+            n = offsets[1]
+            if offsets == [n * r for r in range(p + 1)]:
+                copies = [(out.reshape(p, n), recv[:, head:head + n])]
+            else:
+                copies = [(out[offsets[r]:offsets[r + 1]],
+                           recv[r, head:head + offsets[r + 1] - offsets[r]]) for r in range(p)]
+            self.unpacking = (self.got, dst, copies, self.slot)
+        for into, source in self.unpacking[2]:
+            into[...] = source
+
+
+def headers_differ(a, b, p):
+    """Do two exchanges' headers differ in more than the "carried" numbers?"""
+    x = np.frombuffer(a, np.int64).reshape(p, META)[:, :6]
+    y = np.frombuffer(b, np.int64).reshape(p, META)[:, :6]
+    return not np.array_equal(x, y)
 
 
 def _judge(g, meta, mine, x, out, collective, expect):

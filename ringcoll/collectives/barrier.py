@@ -17,7 +17,7 @@ BUFFERS = ()
 
 
 def plan(g, ctx, algorithm):
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, None, (NAME, 0, None))
     if name == "native":
         native.check(g.t, None, ctx)
 

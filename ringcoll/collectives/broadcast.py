@@ -31,7 +31,7 @@ def plan(g, ctx, x, root, algorithm):
                                f"array, got {type(x).__name__}")
     check_movable(x.dtype, ctx)  # any fixed-size dtype: broadcast only copies bytes
     _args.check_root(g, root, ctx)
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side, (NAME, x.nbytes, None))
     buf = flat_view(x)
     if buf is None:
         raise InvalidArgumentError(f"{ctx}x is not contiguous; broadcast into "

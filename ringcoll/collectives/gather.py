@@ -31,13 +31,16 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
-    exchange = Rows(g, x, out, "ring", collective=NAME, expect=expect)
+    exchange = Rows(g, x, out, "ring", collective=NAME, expect=expect, src=src)
     target = Target(out, x, ctx, side, wanted=is_root)
 
     def run():
-        counts = exchange()  # host numbers
+        counts, carried = exchange()  # host numbers
         part, result, dst, copy_to = target(counts)
-        tree.gather(side.t, src, dst, part, root, side.ws)
+        if not carried:
+            tree.gather(side.t, src, dst, part, root, side.ws)
+        elif is_root:  # every rank's rows came with the counts (small rows, repeated)
+            exchange.unpack(dst)
         _args.copy_rows(dst, copy_to)
         return result
 

@@ -20,7 +20,7 @@ def plan(g, ctx, x, op, root, out, algorithm):
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     _args.check_root(g, root, ctx)
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side, (NAME, x.nbytes, x.dtype))
     is_root = g.rank == root
     copy_out = None
     if is_root:

@@ -1,10 +1,12 @@
 """Scan: the inclusive prefix reduction, rank r gets op(x_0, ..., x_r).
 
 Elementwise like allreduce (x of the same shape, dtype and layout on every rank; out=x in
-place). The algorithm is recursive doubling (algorithms/scan.py: ceil(log2 p) exchanges of
-the whole x). exscan.py is the exclusive form and shares build() below.
+place). The ringcoll algorithm is recursive doubling (algorithms/scan.py: ceil(log2 p)
+exchanges of the whole x); "native" is MPI_Scan (MPI_Exscan, rank 0 receiving into scratch so
+that its out stays as it was). exscan.py is the exclusive form and shares build() below.
 """
 
+from ..algorithms import native
 from ..algorithms import scan as prefix
 from ..errors import InvalidArgumentError
 from ..ops import get_op
@@ -12,7 +14,7 @@ from ..runner import Plan
 from . import _args
 
 NAME = "scan"
-ALGORITHMS = ("recursive_doubling",)
+ALGORITHMS = ("recursive_doubling", "native")
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
 
@@ -30,8 +32,14 @@ def build(g, ctx, name, x, op, out, algorithm, exclusive):
             f"number of ranks; use op='sum' and divide the result by {count}")
     given, given_out = x, out
     x, op, combine, side = _args.reduction(g, x, op, ctx)
-    algo = _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    algo = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side, (name, x.nbytes, x.dtype))
     t, ws = side.t, side.ws
+    if algo == "native":
+        native.check(t, x.dtype, ctx)
+        if not hasattr(t, "native_" + name):
+            raise InvalidArgumentError(f"{ctx}algorithm 'native' needs MPI_{name.title()}, "
+                                       "which this transport does not have; use "
+                                       "'recursive_doubling'")
     gets_none = exclusive and g.rank == 0  # MPI leaves it undefined: we leave out as it was
     copy_out = None
     if gets_none and out is None:
@@ -40,7 +48,13 @@ def build(g, ctx, name, x, op, out, algorithm, exclusive):
         out, src, dst, copy_out = _args.elementwise(x, out, ctx, side)
 
     def run():
-        prefix.scan(t, src, dst, combine, ws, exclusive)
+        if algo != "native":
+            prefix.scan(t, src, dst, combine, ws, exclusive)
+        elif not exclusive:
+            t.native_scan(src, dst, op.mpi_name)
+        else:  # MPI_Exscan leaves rank 0's receive buffer undefined: never the caller's there
+            into = ws.scratch("exscan.rank0", src.size, src.dtype) if gets_none else dst
+            t.native_exscan(src, into, op.mpi_name)
         if gets_none:
             return None
         if copy_out is not None:

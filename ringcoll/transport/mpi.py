@@ -312,6 +312,13 @@ class MPITransport(Transport):
     def native_barrier(self):
         self.comm.Barrier()
 
+    def native_scan(self, sendbuf, recvbuf, op_name):
+        self.comm.Scan(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
+
+    def native_exscan(self, sendbuf, recvbuf, op_name):
+        """recvbuf: rank 0's is left undefined by MPI (pass scratch there)."""
+        self.comm.Exscan(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
+
 
 class _MPIWindow(Window):
     """A Window in MPI memory: MPI_Win_allocate on every rank (MPI's own memory, which on one
