@@ -85,14 +85,32 @@ def _describe_header(h):
 def neighbour_check(t, collective, count, dtype, op_name, blocks=None):
     """Raise CollectiveMismatchError if the left neighbour's call differs from this rank's
     (blocks: the block sizes, where the caller chose them)."""
+    bind_neighbour_check(t, collective, count, dtype, op_name, blocks)()
+
+
+def bind_neighbour_check(t, collective, count, dtype, op_name, blocks=None):
+    """neighbour_check as a zero-argument step, its header and buffers made once (a plan's
+    repeated calls then only exchange and compare)."""
     p, r = t.size, t.rank
     if p == 1:
-        return
+        return _nothing
     mine = _header(collective, count, dtype, op_name, blocks)
     theirs = np.empty_like(mine)
-    t.sendrecv(mine, (r + 1) % p, theirs, (r - 1) % p, Tag.HEADER)
-    if np.array_equal(mine, theirs):
-        return
+    expected = mine.tobytes()
+
+    def step():
+        t.sendrecv(mine, (r + 1) % p, theirs, (r - 1) % p, Tag.HEADER)
+        if theirs.tobytes() != expected:
+            _mismatch(t, mine, theirs, blocks)
+    return step
+
+
+def _nothing():
+    pass
+
+
+def _mismatch(t, mine, theirs, blocks):
+    p, r = t.size, t.rank
     if np.array_equal(mine[:5], theirs[:5]) and mine[5] & 255 == theirs[5] & 255:
         raise CollectiveMismatchError(
             f"{_context(t)}rank {(r - 1) % p} split the result into other blocks than this "

@@ -246,3 +246,76 @@ def test_two_plans_of_one_collective_share_the_slot_size():
         return ok
 
     assert all(all(ok) for ok in run(3, body))
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_scatter_blocks_that_ride_in_the_header_as_sizes_change(p):
+    """Scatter with block sizes changing call to call (growing past the slot, shrinking, zero,
+    uneven, past CARRY_MAX), roots changing, a padded structured dtype, out given and not: each
+    rank's block equals root's rows, whether it came in the header or down the tree; then a
+    bad out= after small repeated calls is still refused on every rank alike."""
+    from ringcoll.collectives.scatter import CARRY_MAX
+
+    rec = np.dtype([("a", np.int8), ("b", np.float64)])
+    plans = [[2] * p, [2] * p, [3] * p, [3] * p, [0] * p, [1] * p, [r for r in range(p)],
+             [r for r in range(p)], [CARRY_MAX // 8] * p, [1] * p, [1] * p]
+
+    def rows(k, n, dtype):
+        x = np.zeros(n, dtype)
+        if dtype == rec:
+            x["a"], x["b"] = k, np.arange(n) + 0.25
+        else:
+            x[...] = np.arange(n) * 3 + k
+        return x
+
+    def body(comm):
+        ok = []
+        for k, counts in enumerate(plans):
+            root = (k // 2) % p
+            for dtype in (np.int64, rec):
+                full = rows(k, sum(counts), dtype)
+                x = full if comm.rank == root else None
+                out = np.empty(counts[comm.rank], dtype) if (k + comm.rank) % 3 else None
+                if dtype == rec and out is None and comm.rank != root:
+                    out = np.empty(counts[comm.rank], dtype)  # structured: out= needed
+                for _ in range(2):  # the same call twice: the second may carry
+                    got = comm.scatter(x, root=root, counts=counts, out=out)
+                    lo = sum(counts[:comm.rank])
+                    ok.append(got.tobytes() == full[lo:lo + counts[comm.rank]].tobytes())
+        # a wrong out on the last rank after small repeated calls: every rank raises
+        errors = []
+        for _ in range(2):
+            n = 3 if comm.rank == comm.size - 1 and comm.size > 1 else 2
+            try:
+                comm.scatter(np.arange(2.0 * comm.size) if comm.rank == 0 else None,
+                             out=np.empty(n))
+                errors.append(None)
+            except ringcoll.RingcollError as e:
+                errors.append(type(e).__name__)
+        got = comm.scatter(np.arange(2.0 * comm.size) if comm.rank == 0 else None,
+                           out=np.empty(2))  # and a right call after the refusals works
+        ok.append((got == [2.0 * comm.rank, 2.0 * comm.rank + 1]).all())
+        return ok, errors
+
+    for rank, (ok, errors) in enumerate(run(p, body)):
+        assert all(ok), f"rank {rank}: {ok}"
+        if p > 1:
+            want = "InvalidArgumentError" if rank == p - 1 else "PeerFailedError"
+            assert errors == [want, want], f"rank {rank}: {errors}"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_repeated_small_scatter_sends_no_third_step(p):
+    """Traced: a repeated small scatter is the records up and the header (with the blocks)
+    down; no message of the data tree (tag 'scatter')."""
+    def body(comm):
+        x = np.arange(4.0 * comm.size) if comm.rank == 0 else None
+        out = np.empty(4)
+        comm.scatter(x, out=out)
+        with comm.trace() as trace:
+            comm.scatter(x, out=out)
+        assert (out == np.arange(4.0) + 4 * comm.rank).all()
+        return sorted({m.tag for m in trace.messages})
+
+    for rank, tags in enumerate(run(p, body)):
+        assert "scatter" not in tags and tags, f"rank {rank}: {tags}"

@@ -52,8 +52,7 @@ def build_steps(g, name, op, combine, src, dst, side):
     fused = name == "ring" and op.name == "avg" and op.fuses_finish(dst.dtype, size)
     steps = []
     if name in ("ring", "hierarchical"):  # segments can hide a count mismatch: check it
-        steps.append(partial(checks.neighbour_check, t, "allreduce", dst.size, dst.dtype,
-                             op.name))
+        steps.append(checks.bind_neighbour_check(t, "allreduce", dst.size, dst.dtype, op.name))
     if name == "native":
         steps.append(native.bind_allreduce(t, src, dst, op.mpi_name))
     else:

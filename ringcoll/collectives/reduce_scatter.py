@@ -44,6 +44,8 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
     # uneven blocks the caller chose travel in the neighbour check (None: the default split)
     blocks = (None if counts is None or counts == Partition.even(x.shape[0], size).counts
               else counts)
+    neighbour_check = checks.bind_neighbour_check(t, "reduce_scatter", src.size, src.dtype,
+                                                  op.name, blocks)
     # avg: the division in the last ring step
     fused = op.name == "avg" and name == "ring" and op.fuses_finish(x.dtype, size)
 
@@ -56,7 +58,7 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
             mine = op.start(src, work, size, combine)  # work itself if avg prescales
             node.reduce_scatter(t, mine, dst, part, combine, ws)
         else:
-            checks.neighbour_check(t, "reduce_scatter", src.size, src.dtype, op.name, blocks)
+            neighbour_check()
             # The last step reduces straight into dst; work carries the partial sums of
             # the other blocks, of which there are none at p = 2 (unless avg prescales).
             prescales = op.prescales(src.dtype, size)

@@ -13,6 +13,14 @@ raises on every rank alike instead of hanging one of them:
 3. every rank raises alike if any verdict is not OK, else the data goes down the binomial
    tree (algorithms/tree.py scatter, gather's mirror image).
 
+Small blocks ride with the header instead (no step 3): after each scatter every rank knows
+every block's bytes from the header, so all agree without a message on the next call's slot
+size S (the largest block, if p S <= CARRY_MAX; else 0). The header then has p slots of S bytes
+after its numbers; root fills them when every block fits (and its x is in host memory) and
+says so in the header, and each rank copies its block out. A repeated small scatter costs the
+two steps of the agreement, not three. Root judges the records again only when they differ
+from the last ones, and every rank reads the header anew only when it differs from the last.
+
 Cost: 2 ceil(log2 p) a for the agreement, plus ceil(log2 p) a + (n - c_root) b at the root
 for n scattered bytes ((p-1)/p n b for even blocks): root sends every other block once.
 """
@@ -35,6 +43,7 @@ BUFFERS = (0, 3)
 
 RECORD = 3  # a rank's out= as root sees it: (has out, its rows, crc of dtype + row shape)
 SLOTS = 8  # trailing dimensions the header carries; rows of more need out= on non-roots
+CARRY_MAX = 16384  # bytes of blocks (p slots) that may ride in the header (see the module doc)
 NAME_BYTES = 16  # root's dtype, spelled as np.dtype() reads it back
 
 # verdicts, one per rank in the header
@@ -73,26 +82,30 @@ def plan(g, ctx, x, root, counts, out, algorithm):
         def judge(meta):
             return _judge(meta, x, rows, code, p, root)
 
+    words = _header_size(p)
+    agree = Agreement(g, mine, root, judge, src)
+    last = [None, None]  # the header's numbers last read, and what they gave (see below)
+
     def run():
-        ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7 (tree)"
-        header = _agree(g, mine, root, judge)
-        verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
-        if verdicts.any():
-            raise _refusal(header, p, g.rank, root, out, own, ctx)
-        block = (int(rows[g.rank]),)
-        if g.rank == root:
-            dtype, block = x.dtype, block + x.shape[1:]
-        elif out is not None:
-            dtype, block = out.dtype, block + out.shape[1:]
-        else:
-            dtype, trail = _root_rows(header, p)
-            block += trail
+        header, carried = agree()
+        numbers = header[:words]
+        if last[0] is None or not np.array_equal(numbers, last[0]):
+            verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
+            if verdicts.any():
+                g.slots[NAME] = 0  # every rank refuses alike, and starts again from 0
+                ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7 (tree)"
+                raise _refusal(header, p, g.rank, root, out, own, ctx)
+            last[:] = numbers.copy(), _reading(header, p, g.rank, root, x, out, side)
+        block, dtype, part, next_slot = last[1]
         result = out if out is not None else side.xp.empty(block, dtype)
         dst, copy_to = _args.rows_target(result)
         dst = _args.raw(dst)
-        part = Partition([int(c) * int(row_elems) for c in rows])
-        tree.scatter(side.t, src, dst, part, root, side.ws)
+        if carried:
+            agree.unpack(dst, part)
+        else:
+            tree.scatter(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
+        g.slots[NAME] = next_slot  # the same on every rank: all read the same header
         return result
 
     # only root knows dtype, shape and counts: the fingerprint has root alone; where the
@@ -104,7 +117,93 @@ def plan(g, ctx, x, root, counts, out, algorithm):
 
 
 def _header_size(p):
-    return 2 * p + 4 + SLOTS
+    """int64 numbers in root's header: _parts' (2 p + 4 + SLOTS), then root's itemsize and
+    whether the blocks ride in it (the slots that follow)."""
+    return 2 * p + 6 + SLOTS
+
+
+def _reading(header, p, rank, root, x, out, side):
+    """What a rank takes from a header whose verdicts are all OK: (its block's shape, the
+    dtype, every rank's Partition in elements, the next call's slot size)."""
+    _, rows, (row_elems, _), _, _ = _parts(header, p)
+    block = (int(rows[rank]),)
+    if rank == root:
+        dtype, block = x.dtype, block + x.shape[1:]
+    elif out is not None:
+        dtype, block = out.dtype, block + out.shape[1:]
+    else:
+        dtype, trail = _root_rows(header, p)
+        block += trail
+    part = Partition([int(c) * int(row_elems) for c in rows])
+    largest = max(part.counts) * int(header[2 * p + 4 + SLOTS])  # bytes of the largest block
+    slot = -(-largest // 8) * 8
+    return block, dtype, part, slot if p * slot <= CARRY_MAX else 0
+
+
+class Agreement:
+    """Steps 1 and 2 of the module doc, built once per plan: calling it gathers the records,
+    has root judge them (again only when they differ from the last) and broadcasts the
+    header, with the blocks in its slots when they fit; returns (header, carried)."""
+
+    def __init__(self, g, mine, root, judge, src):
+        self.g, self.mine, self.root, self.judge = g, mine, root, judge
+        p = g.size
+        self.meta = np.empty((p, RECORD), dtype=np.int64) if judge is not None else None
+        self.part = g.host.ws.partition(RECORD * p, p)
+        self.src = src.view(np.uint8) if isinstance(src, np.ndarray) else None
+        self.seen, self.numbers = None, None  # root: the last records, and their header
+        self.header = None  # the header buffer for the current slot size
+        self.copies = None  # root's (rows, [(into, from)]) filling the slots
+
+    def __call__(self):
+        g, p, words = self.g, self.g.size, _header_size(self.g.size)
+        slot = g.slots.get(NAME, 0)
+        if self.header is None or self.header.size != words + p * slot // 8:
+            self.header = np.zeros(words + p * slot // 8, np.int64)
+            self.copies = None
+        header = self.header
+        meta = self.meta
+        tree.gather(g.t, self.mine, None if meta is None else meta.reshape(-1), self.part,
+                    self.root, g.host.ws)
+        if self.judge is not None:  # root
+            records = meta.tobytes()
+            if records != self.seen:
+                self.numbers, self.seen = self.judge(meta), records
+            header[:words] = self.numbers
+            header[words - 1] = carried = self._fill(header, slot)
+        tree.broadcast(g.t, header, self.root, g.host.ws)  # host numbers, host transport
+        return header, bool(header[words - 1])
+
+    def _fill(self, header, slot):
+        """Root: copy every block into its slot if all fit (and x is host memory)."""
+        p, words = self.g.size, _header_size(self.g.size)
+        verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
+        if slot == 0 or self.src is None or verdicts.any():
+            return False
+        item = int(header[words - 2])
+        sizes = [int(r) * int(row_elems) * item for r in rows]
+        if max(sizes) > slot:
+            return False
+        if self.copies is None or self.copies[0] != sizes:
+            slots = header[words:].view(np.uint8).reshape(p, slot)
+            offsets = np.cumsum([0] + sizes).tolist()
+            self.copies = (sizes, [(slots[r, :sizes[r]], self.src[offsets[r]:offsets[r + 1]])
+                                   for r in range(p)])
+        for into, source in self.copies[1]:
+            into[...] = source
+        return True
+
+    def unpack(self, dst, part):
+        """This rank's block, from its slot of the header, into dst (flat, raw)."""
+        p, words, rank = self.g.size, _header_size(self.g.size), self.g.rank
+        slot = (self.header.size - words) * 8 // p
+        nbytes = part.counts[rank] * dst.itemsize
+        mine = self.header[words:].view(np.uint8)[rank * slot:rank * slot + nbytes]
+        if isinstance(dst, np.ndarray):
+            dst.view(np.uint8)[...] = mine
+        else:  # a device block: one copy up
+            xp = array_module(dst)
+            dst.view(xp.uint8)[...] = xp.asarray(mine)
 
 
 def _parts(header, p):
@@ -183,17 +282,6 @@ def _address(a):
     return a.data.ptr if is_device(a) else a.ctypes.data
 
 
-def _agree(g, mine, root, judge):
-    """The header every rank receives: records up the tree to root, root's verdict down."""
-    p = g.size
-    meta = np.empty((p, RECORD), dtype=np.int64) if judge is not None else None
-    part = g.host.ws.partition(RECORD * p, p)
-    tree.gather(g.t, mine, None if meta is None else meta.reshape(-1), part, root, g.host.ws)
-    header = judge(meta) if judge is not None else np.empty(_header_size(p), np.int64)
-    tree.broadcast(g.t, header, root, g.host.ws)  # host numbers, over the host transport
-    return header
-
-
 def _judge(meta, x, rows, own, p, root):
     """Root's header: [verdict per rank | rows per rank | row elements, trailing ndim,
     dtype (2 words), trailing shape (SLOTS words)]."""
@@ -216,6 +304,7 @@ def _judge(meta, x, rows, own, p, root):
             elif not has_out and not describable:
                 verdicts[r] = NEEDS_OUT
     sizes[:] = _args.row_elems(x), len(trail)
+    header[2 * p + 4 + SLOTS] = x.dtype.itemsize
     if spelled is not None:
         name[:] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
     if len(trail) <= SLOTS:
