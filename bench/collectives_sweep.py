@@ -211,24 +211,26 @@ def human(n):
     return str(n)
 
 
+#: the bytes auto looks up (ringcoll.tuning) per n of this sweep: p n where it is the input or
+#: the gathered result
+SCALED = ("allgather", "reduce_scatter", "alltoall")
+
+
 def write_tuning(path, rows, comm):
-    """This p's entry of the tuning file at path, with the measured winner (own or native) of
-    every collective that has both, per size (see the module doc)."""
+    """This p's entry of the tuning file at path, with the winner (own or native) of every
+    collective that has both, per size, as ringcoll.tune picks the all-reduce's: within its
+    slack of the fastest, with the fewest switches (see the module doc)."""
+    from ringcoll.tune import crossovers
+
     ranges = {}
     for name in dict.fromkeys(r["collective"] for r in rows):
         mine = [r for r in rows if r["collective"] == name and "native" in r["us"]]
         if not mine:
             continue
         own = own_algorithm(name)
-        picks = [(r["bytes"], "native" if r["us"]["native"] < r["us"][own] else own)
-                 for r in mine]
-        merged = []
-        for nbytes, alg in picks:  # ranges: [max_bytes, algorithm], runs of one winner merged
-            if merged and merged[-1][1] == alg:
-                merged[-1][0] = nbytes
-            else:
-                merged.append([nbytes, alg])
-        ranges[name] = merged
+        scale = comm.size if name in SCALED else 1
+        sizes = [r["bytes"] * scale for r in mine]
+        ranges[name] = crossovers(sizes, {a: [r["us"][a] for r in mine] for a in (own, "native")})
     data = {"format": "ringcoll-tuning", "version": 1, "entries": []}
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:

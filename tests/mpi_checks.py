@@ -45,7 +45,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
           "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
           "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
-          "alltoallv", "scan", "dtypes"]
+          "alltoallv", "scan", "dtypes", "compat_repeat"]
 
 
 class Checker:
@@ -811,6 +811,68 @@ def twins(make, ours, ref, label):
              f"{label}: differs from MPI: {np.asarray(a)} vs {np.asarray(b)}")
 
 
+def check_compat_repeat(comms, light):
+    """wrap()'s remembered calls: every blocking method called again and again with the very
+    same buffers, their values changed in place between calls (and a spec list made anew each
+    call), against WORLD's own call on twin buffers every time; a call wrap cannot simply
+    repeat (v-blocks at gaps, a derived datatype) is read again and right each time; a
+    buffer reshaped in place, or another root, is a new call."""
+    c = CK.attempt("wrap", lambda: ringcoll.wrap(WORLD))
+    if c is None:
+        return
+    n, root = 5, P - 1
+    send, big = np.zeros(n), np.zeros(n * P)
+    ours = {k: np.zeros(n * P) for k in ("ag", "g", "a2a", "sc", "rs", "r", "scan", "ex", "bc")}
+    ref = {k: np.zeros(n * P) for k in ours}
+    vec_counts = [(r % 2) + 1 for r in range(P)]
+    vec_displs = [3 * r + 1 for r in range(P)]  # gaps: staged, never simply repeated
+    cases = [
+        ("Allgather", lambda o: c.Allgather(send, o["ag"]), lambda o: WORLD.Allgather(send, o["ag"])),
+        ("Gather", lambda o: c.Gather(send, o["g"], root=root),
+         lambda o: WORLD.Gather(send, o["g"], root=root)),
+        ("Scatter", lambda o: c.Scatter(big, o["sc"][:n], root=root),
+         lambda o: WORLD.Scatter(big, o["sc"][:n], root=root)),
+        ("Alltoall", lambda o: c.Alltoall(big, o["a2a"]), lambda o: WORLD.Alltoall(big, o["a2a"])),
+        ("Reduce_scatter_block", lambda o: c.Reduce_scatter_block(big, o["rs"][:n]),
+         lambda o: WORLD.Reduce_scatter_block(big, o["rs"][:n])),
+        ("Reduce", lambda o: c.Reduce([send, MPI.DOUBLE], [o["r"][:n], MPI.DOUBLE], root=root),
+         lambda o: WORLD.Reduce(send, o["r"][:n], root=root)),
+        ("Scan", lambda o: c.Scan(send, o["scan"][:n]), lambda o: WORLD.Scan(send, o["scan"][:n])),
+        ("Bcast", lambda o: (o["bc"].__setitem__(slice(None), big), c.Bcast(o["bc"], root=root)),
+         lambda o: (o["bc"].__setitem__(slice(None), big), WORLD.Bcast(o["bc"], root=root))),
+        ("Allgatherv gaps", lambda o: c.Allgatherv(send[:vec_counts[RANK]],
+                                                   [o["ag"], vec_counts, vec_displs, MPI.DOUBLE]),
+         lambda o: WORLD.Allgatherv(send[:vec_counts[RANK]],
+                                    [o["ag"], vec_counts, vec_displs, MPI.DOUBLE])),
+    ]
+    for k in range(4):
+        send[...] = np.arange(n) + 10 * RANK + k
+        big[...] = np.arange(n * P) * (RANK + 1) + k
+        for label, mine, theirs in cases:
+            for o in (ours, ref):
+                o["ag"][...] = -1  # the gaps must stay as they were, on both
+            CK.attempt(f"{label} #{k}", lambda: mine(ours))
+            theirs(ref)
+            key = {"Allgather": "ag", "Gather": "g", "Scatter": "sc", "Alltoall": "a2a",
+                   "Reduce_scatter_block": "rs", "Reduce": "r", "Scan": "scan", "Bcast": "bc",
+                   "Allgatherv gaps": "ag"}[label]
+            if label == "Gather" and RANK != root or label == "Reduce" and RANK != root:
+                continue
+            CK.check(ours[key].tobytes() == ref[key].tobytes(),
+                     f"wrap {label} call {k}: {ours[key]} vs MPI's {ref[key]}")
+    CK.check("Allgather" in c._remembered and "Reduce" in c._remembered,
+             f"plain calls are remembered: {sorted(c._remembered)}")
+    CK.check("Allgatherv" not in c._remembered, "a staged v-call is read again every time")
+    # a receive buffer reshaped in place between calls is a new call, read again
+    out = np.zeros(n * P)
+    for shape in ((n * P,), (P, n), (n * P,)):
+        out.shape = shape
+        CK.attempt(f"Allgather reshaped {shape}", lambda: c.Allgather(send, out))
+        CK.check(out.reshape(-1).tolist() == [v for r in range(P)
+                                              for v in (np.arange(n) + 10 * r + 3).tolist()],
+                 f"Allgather into out of shape {shape}")
+
+
 def check_compat_buffers(comms, light):
     """wrap() takes buffers as mpi4py does (every result against WORLD's own call on a twin
     buffer of the same kind): array.array, bytearray and memoryview receive buffers (viewed,
@@ -1336,6 +1398,7 @@ def main():
         "alltoallv": lambda: check_alltoallv(comms, args.light),
         "scan": lambda: check_scan(comms, args.light),
         "dtypes": lambda: check_dtypes(comms, args.light),
+        "compat_repeat": lambda: check_compat_repeat(comms, args.light),
     }
     times = {}
     for group in groups:

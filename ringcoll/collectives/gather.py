@@ -2,11 +2,12 @@
 
 Ranks may pass different lengths on axis 0, as in allgather: the row counts (and a check
 that dtypes, trailing shapes, root's out= and counts= agree) travel first, in allgather's
-small exchange of 6 numbers per rank, so that every rank raises alike when they do not. The
-data then goes up the binomial tree (algorithms/tree.py gather: broadcast's shape with the
-data flowing towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes, plus
-(p-1) a for the counts' ring all-gather.
-"""
+small exchange of a few numbers per rank (allgather.Rows), so that every rank raises alike
+when they do not; under auto they go by MPI's own all-gather where the transport has it, and
+the small rows of a repeated call ride with them (then there is no second step). The data
+then goes up the binomial tree (algorithms/tree.py gather: broadcast's shape with the data
+flowing towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes,
+plus the counts' exchange, (p-1) a by ringcoll's ring."""
 
 from ..algorithms import tree
 from ..runner import Plan
@@ -31,7 +32,11 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
-    exchange = Rows(g, x, out, "ring", collective=NAME, expect=expect, src=src)
+    # the counts (and small rows with them) by MPI's own all-gather under auto where the
+    # transport has it: one C call instead of a Python ring (explicit 'tree': ringcoll's ring)
+    mpi = algorithm in (None, "auto") and hasattr(g.t, "native_allgather")
+    exchange = Rows(g, x, out, "native" if mpi else "ring", collective=NAME, expect=expect,
+                    src=src)
     target = Target(out, x, ctx, side, wanted=is_root)
 
     def run():

@@ -13,6 +13,10 @@ raises on every rank alike instead of hanging one of them:
 3. every rank raises alike if any verdict is not OK, else the data goes down the binomial
    tree (algorithms/tree.py scatter, gather's mirror image).
 
+Under auto, where the transport has the MPI library's own calls, steps 1 and 2 are
+MPI_Gather and MPI_Bcast of the same numbers (one C call each instead of a Python tree);
+algorithm='tree' keeps them ringcoll's.
+
 Small blocks ride with the header instead (no step 3): after each scatter every rank knows
 every block's bytes from the header, so all agree without a message on the next call's slot
 size S (the largest block, if p S <= CARRY_MAX; else 0). The header then has p slots of S bytes
@@ -83,23 +87,31 @@ def plan(g, ctx, x, root, counts, out, algorithm):
             return _judge(meta, x, rows, code, p, root)
 
     words = _header_size(p)
-    agree = Agreement(g, mine, root, judge, src)
-    last = [None, None]  # the header's numbers last read, and what they gave (see below)
+    # the agreement by MPI's own gather and broadcast under auto where the transport has
+    # them: two C calls instead of two Python trees (explicit 'tree': ringcoll's trees)
+    mpi = algorithm in (None, "auto") and hasattr(g.t, "native_gather")
+    agree = Agreement(g, mine, root, judge, src, mpi)
+    last = [None, None, None]  # the header's numbers last read, what they gave, out's targets
 
     def run():
         header, carried = agree()
-        numbers = header[:words]
-        if last[0] is None or not np.array_equal(numbers, last[0]):
+        numbers = header[:words].tobytes()
+        if numbers != last[0]:
             verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
             if verdicts.any():
                 g.slots[NAME] = 0  # every rank refuses alike, and starts again from 0
                 ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7 (tree)"
                 raise _refusal(header, p, g.rank, root, out, own, ctx)
-            last[:] = numbers.copy(), _reading(header, p, g.rank, root, x, out, side)
+            last[:] = numbers, _reading(header, p, g.rank, root, x, out, side), None
         block, dtype, part, next_slot = last[1]
-        result = out if out is not None else side.xp.empty(block, dtype)
-        dst, copy_to = _args.rows_target(result)
-        dst = _args.raw(dst)
+        if last[2] is not None:  # out= again, for the same header: its targets as last time
+            result, dst, copy_to = last[2]
+        else:
+            result = out if out is not None else side.xp.empty(block, dtype)
+            dst, copy_to = _args.rows_target(result)
+            dst = _args.raw(dst)
+            if out is not None:
+                last[2] = result, dst, copy_to
         if carried:
             agree.unpack(dst, part)
         else:
@@ -145,60 +157,71 @@ class Agreement:
     has root judge them (again only when they differ from the last) and broadcasts the
     header, with the blocks in its slots when they fit; returns (header, carried)."""
 
-    def __init__(self, g, mine, root, judge, src):
-        self.g, self.mine, self.root, self.judge = g, mine, root, judge
+    def __init__(self, g, mine, root, judge, src, mpi=False):
+        self.g, self.mine, self.root, self.judge, self.mpi = g, mine, root, judge, mpi
         p = g.size
         self.meta = np.empty((p, RECORD), dtype=np.int64) if judge is not None else None
         self.part = g.host.ws.partition(RECORD * p, p)
         self.src = src.view(np.uint8) if isinstance(src, np.ndarray) else None
         self.seen, self.numbers = None, None  # root: the last records, and their header
         self.header = None  # the header buffer for the current slot size
-        self.copies = None  # root's (rows, [(into, from)]) filling the slots
+        self.fill = None  # root: the copies that fill the slots, for the current header
+        self.mine_view = None  # (header, part, the bytes of this rank's slot) for unpack
 
     def __call__(self):
         g, p, words = self.g, self.g.size, _header_size(self.g.size)
         slot = g.slots.get(NAME, 0)
-        if self.header is None or self.header.size != words + p * slot // 8:
+        fresh = self.header is None or self.header.size != words + p * slot // 8
+        if fresh:
             self.header = np.zeros(words + p * slot // 8, np.int64)
-            self.copies = None
         header = self.header
         meta = self.meta
-        tree.gather(g.t, self.mine, None if meta is None else meta.reshape(-1), self.part,
-                    self.root, g.host.ws)
+        if self.mpi:
+            g.t.native_gather(self.mine, None if meta is None else meta.reshape(-1), self.root)
+        else:
+            tree.gather(g.t, self.mine, None if meta is None else meta.reshape(-1), self.part,
+                        self.root, g.host.ws)
         if self.judge is not None:  # root
             records = meta.tobytes()
-            if records != self.seen:
-                self.numbers, self.seen = self.judge(meta), records
-            header[:words] = self.numbers
-            header[words - 1] = carried = self._fill(header, slot)
-        tree.broadcast(g.t, header, self.root, g.host.ws)  # host numbers, host transport
-        return header, bool(header[words - 1])
+            if records != self.seen or fresh:  # (else the header holds its numbers still)
+                if records != self.seen:
+                    self.numbers, self.seen = self.judge(meta), records
+                header[:words] = self.numbers
+                self.fill = self._fill(header, slot)
+                header[words - 1] = self.fill is not None
+            for into, source in self.fill or ():
+                into[...] = source
+        if self.mpi:
+            g.t.native_bcast(header, self.root)
+        else:
+            tree.broadcast(g.t, header, self.root, g.host.ws)  # host numbers, host transport
+        return header, header[words - 1] != 0
 
     def _fill(self, header, slot):
-        """Root: copy every block into its slot if all fit (and x is host memory)."""
+        """Root: the copies of every block into its slot, if all fit (and x is host memory);
+        else None."""
         p, words = self.g.size, _header_size(self.g.size)
         verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
         if slot == 0 or self.src is None or verdicts.any():
-            return False
+            return None
         item = int(header[words - 2])
         sizes = [int(r) * int(row_elems) * item for r in rows]
         if max(sizes) > slot:
-            return False
-        if self.copies is None or self.copies[0] != sizes:
-            slots = header[words:].view(np.uint8).reshape(p, slot)
-            offsets = np.cumsum([0] + sizes).tolist()
-            self.copies = (sizes, [(slots[r, :sizes[r]], self.src[offsets[r]:offsets[r + 1]])
-                                   for r in range(p)])
-        for into, source in self.copies[1]:
-            into[...] = source
-        return True
+            return None
+        slots = header[words:].view(np.uint8).reshape(p, slot)
+        offsets = np.cumsum([0] + sizes).tolist()
+        return [(slots[r, :sizes[r]], self.src[offsets[r]:offsets[r + 1]]) for r in range(p)]
 
     def unpack(self, dst, part):
         """This rank's block, from its slot of the header, into dst (flat, raw)."""
-        p, words, rank = self.g.size, _header_size(self.g.size), self.g.rank
-        slot = (self.header.size - words) * 8 // p
-        nbytes = part.counts[rank] * dst.itemsize
-        mine = self.header[words:].view(np.uint8)[rank * slot:rank * slot + nbytes]
+        if self.mine_view is None or self.mine_view[0] is not self.header \
+                or self.mine_view[1] is not part:
+            p, words, rank = self.g.size, _header_size(self.g.size), self.g.rank
+            slot = (self.header.size - words) * 8 // p
+            nbytes = part.counts[rank] * dst.itemsize
+            self.mine_view = (self.header, part,
+                              self.header[words:].view(np.uint8)[rank * slot:rank * slot + nbytes])
+        mine = self.mine_view[2]
         if isinstance(dst, np.ndarray):
             dst.view(np.uint8)[...] = mine
         else:  # a device block: one copy up

@@ -294,6 +294,10 @@ class MPITransport(Transport):
             nbytes = [c * recvbuf.itemsize for c in counts]
             self.comm.Allgatherv([sendbuf, BYTE], [recvbuf, nbytes, BYTE])
 
+    def native_gather(self, sendbuf, recvbuf, root):
+        """MPI_Gather of equal blocks as bytes; recvbuf matters on root only (None elsewhere)."""
+        self.comm.Gather([sendbuf, BYTE], None if recvbuf is None else [recvbuf, BYTE], root)
+
     def native_bcast(self, buf, root):
         self.comm.Bcast([buf, BYTE], root)
 
