@@ -33,6 +33,7 @@ works; reductions need a numeric one.
 
 import ctypes
 import functools
+import operator
 import sys
 
 import numpy as np
@@ -214,7 +215,7 @@ def _passes_through(name):
             if blocking:
                 last = self._remembered.get(name)
                 if last is not None and last.matches(args, kwargs):
-                    last.core(*last.core_args, **last.core_kwargs)
+                    last.run()
                     return None
                 self._reading = None
             try:
@@ -241,46 +242,67 @@ class _Remembered:
 
     Kept only when replaying that call is all the method does: nothing to finish afterwards
     (no derived datatype to unpack, no staged v-blocks to place) and every array the core got
-    views a NumPy array the caller passed (so no packed or staged copy would be sent stale).
+    views a NumPy array or a buffer object (bytearray, mmap, array.array, ...) the caller
+    passed, so no packed or staged copy would be sent stale.
     The arguments match the very same objects (a spec list: the same items), every array of
     them still writeable."""
 
-    __slots__ = ("args", "kwargs", "arrays", "core", "core_args", "core_kwargs")
+    __slots__ = ("args", "keys", "arrays", "run")
 
     @classmethod
     def of(cls, args, kwargs, read):
         if read is None:
             return None
-        core, core_args, core_kwargs, finish = read
+        core, core_args, core_kwargs, finish, copy = read
         if finish is not None:
             return None
         given = [a for a in list(args) + list(kwargs.values()) for a in _items(a)]
         arrays = [a for a in given if isinstance(a, np.ndarray)]
-        for a in list(core_args) + list(core_kwargs.values()):
-            if isinstance(a, np.ndarray) and not any(_owner(a) is _owner(b) for b in arrays):
+        owners = [_owner(b) for b in arrays]
+        for a in list(core_args) + list(core_kwargs.values()) + ([copy[1]] if copy else []):
+            if not isinstance(a, np.ndarray) or copy is not None and _owner(a) is copy[0]:
+                continue  # (the copy is made anew from copy[1], checked here)
+            owner = _owner(a)
+            if not any(owner is b for b in owners) and not (
+                    isinstance(owner.base, memoryview)
+                    and any(owner.base.obj is b for b in given)):
                 return None  # a copy (packed, staged): it would not see new values
             if not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__"):
                 return None  # a device array: read again each call (cheap next to the GPU)
         if not all(a.flags.writeable for a in arrays):
             return None
         r = cls()
-        r.args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in args)
-        r.kwargs, r.arrays = dict(kwargs), tuple(arrays)
-        r.core, r.core_args, r.core_kwargs = core, core_args, core_kwargs
+        r.args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a
+                       for a in args + tuple(kwargs.values()))
+        r.keys, r.arrays = tuple(kwargs), tuple(arrays)
+        call = functools.partial(core, *core_args, **core_kwargs)
+        if copy is None:
+            r.run = call
+        else:
+            into, source = copy
+
+            def refresh_then_call():
+                into[...] = source
+                call()
+            r.run = refresh_then_call
         return r
 
     def matches(self, args, kwargs):
-        if len(args) != len(self.args) or kwargs.keys() != self.kwargs.keys():
+        mine = self.args  # the positional arguments, then the keyword ones' values
+        if kwargs:
+            if tuple(kwargs) != self.keys:
+                return False
+            args += tuple(kwargs.values())
+        elif self.keys:
             return False
-        for mine, given in zip(self.args, args):
-            if mine is given:
-                continue
-            if type(mine) is not tuple or not isinstance(given, (list, tuple)) \
-                    or len(given) != len(mine) or any(a is not b for a, b in zip(mine, given)):
-                return False
-        for key, given in kwargs.items():
-            if self.kwargs[key] is not given:
-                return False
+        if len(args) != len(mine):
+            return False
+        if not all(map(operator.is_, mine, args)):
+            for kept, given in zip(mine, args):  # a spec list made anew: its items
+                if kept is not given and (
+                        type(kept) is not tuple or not isinstance(given, (list, tuple))
+                        or len(given) != len(kept) or not all(map(operator.is_, kept, given))):
+                    return False
         for a in self.arrays:
             if not a.flags.writeable:
                 return False
@@ -607,14 +629,19 @@ class MPICompat:
     def __getattr__(self, name):  # everything we do not override is the mpi4py communicator's
         return getattr(self.mpi_comm, name)
 
-    def _call(self, blocking, method, *args, finish=None, **kwargs):
+    def _call(self, blocking, method, *args, finish=None, copy=None, remember=True,
+              **kwargs):
         """Run Communicator.method(*args, **kwargs) (blocking), or start its I-form and
-        return a Request. finish runs once the call is done."""
+        return a Request. finish runs once the call is done. copy: (a copy the call sends,
+        what it copies), MPI_IN_PLACE's own block, which a remembered call copies anew.
+        remember=False: reading the arguments took a message (Reduce_scatter's counts), which
+        a remembered call would skip while another rank reading anew would not."""
         comm = self.ringcoll
         if not blocking:
             return Request(getattr(comm, "i" + method)(*args, **kwargs), finish)
         core = getattr(comm, method)
-        self._reading = (core, args, kwargs, finish)  # for _passes_through to remember
+        if remember:  # for _passes_through to remember
+            self._reading = (core, args, kwargs, finish, copy)
         core(*args, **kwargs)
         if finish is not None:
             finish()
@@ -721,8 +748,11 @@ class MPICompat:
         in_place = _in_place(sendbuf)
         # a count is per block, as MPI's recvcount; in place recvbuf holds all p blocks
         recv = _writeable(_elements(recvbuf, "recvbuf", p if in_place else 1), "recvbuf")
+        copy = None
         if in_place:  # the result is block 0
-            send, recv = recv.copy(), recv[:recv.size // p]
+            whole = recv
+            send, recv = whole.copy(), whole[:whole.size // p]
+            copy = (send, whole)
         else:
             send = _elements(sendbuf, "sendbuf", p)
         if send.size != p * recv.size:
@@ -730,7 +760,7 @@ class MPICompat:
                 f"ringcoll.wrap Reduce_scatter_block: sendbuf has {send.size} elements; it "
                 f"must have size * len(recvbuf) = {p * recv.size}")
         return self._call(blocking, "reduce_scatter", send.reshape(p, -1), op=op,
-                          out=recv.reshape(1, -1))
+                          out=recv.reshape(1, -1), copy=copy)
 
     @_passes_through("Reduce_scatter_block")
     def Reduce_scatter_block(self, sendbuf, recvbuf, op=MPI.SUM):
@@ -745,6 +775,7 @@ class MPICompat:
         comm = self.ringcoll
         recv = _writeable(_elements(recvbuf, "recvbuf"), "recvbuf")
         in_place = _in_place(sendbuf)
+        recvcounts_given = recvcounts is not None
         if recvcounts is None:
             if in_place:
                 raise InvalidArgumentError("ringcoll.wrap Reduce_scatter: in place needs "
@@ -770,7 +801,8 @@ class MPICompat:
                     f"ringcoll.wrap Reduce_scatter: sendbuf has {send.size} elements and "
                     f"recvbuf {recv.size}; they must have sum(recvcounts) = {total} and "
                     f"recvcounts[{comm.rank}] = {counts[comm.rank]}")
-        return self._call(blocking, "reduce_scatter", send, op=op, out=recv, counts=counts)
+        return self._call(blocking, "reduce_scatter", send, op=op, out=recv, counts=counts,
+                          remember=recvcounts_given)
 
     @_passes_through("Reduce_scatter")
     def Reduce_scatter(self, sendbuf, recvbuf, recvcounts=None, op=MPI.SUM):
@@ -822,12 +854,15 @@ class MPICompat:
             flat, counts, displs, unpack = self._receiving(recvbuf, p, vector, "Gather")
             recv, place = _unpacked(flat, counts, displs)
             place = _then(place, unpack)
+        copy = None
         if rank == root and _in_place(sendbuf):  # root's block is in place in recvbuf
-            send = flat[displs[root]:displs[root] + counts[root]].copy()
+            own = flat[displs[root]:displs[root] + counts[root]]
+            send = own.copy()
+            copy = (send, own)
         else:
             send = self._moved(sendbuf, "sendbuf")[0]
         return self._call(blocking, "gather", send, root=root, out=recv, counts=counts,
-                          finish=place)
+                          finish=place, copy=copy)
 
     @_passes_through("Gather")
     def Gather(self, sendbuf, recvbuf, root=0):
@@ -882,12 +917,15 @@ class MPICompat:
         p, rank = self.ringcoll.size, self.ringcoll.rank
         flat, counts, displs, unpack = self._receiving(recvbuf, p, vector, "Allgather")
         recv, place = _unpacked(flat, counts, displs)
+        copy = None
         if _in_place(sendbuf):  # this rank's block is already in place in recvbuf
-            send = flat[displs[rank]:displs[rank] + counts[rank]].copy()
+            own = flat[displs[rank]:displs[rank] + counts[rank]]
+            send = own.copy()
+            copy = (send, own)
         else:
             send = self._moved(sendbuf, "sendbuf")[0]
         return self._call(blocking, "allgather", send, out=recv, counts=counts,
-                          finish=_then(place, unpack))
+                          finish=_then(place, unpack), copy=copy)
 
     @_passes_through("Allgather")
     def Allgather(self, sendbuf, recvbuf):

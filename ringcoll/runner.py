@@ -71,14 +71,16 @@ class Replay:
 
 
 def freeze(value):
-    """A value argument (root, counts, op, algorithm) as Repeat keeps it: a sequence as a tuple
-    of ints (so a list changed in place after the call is seen as changed), anything else as
-    it is (ints, strings, None, MPI.Op objects); None for what cannot be kept."""
+    """A value argument (root, counts, op, algorithm) as Repeat keeps it: a list or tuple as a
+    new one of its ints (so a list changed in place after the call is seen as changed), an
+    array as a tuple of its ints, anything else as it is (ints, strings, None, MPI.Op
+    objects); None for what cannot be kept."""
     if isinstance(value, (list, tuple, np.ndarray)):
         try:
-            return tuple(int(v) for v in value)
+            ints = [int(v) for v in value]
         except (TypeError, ValueError):
             return None
+        return ints if type(value) is list else tuple(ints)
     return value
 
 
@@ -109,7 +111,15 @@ class Repeat:
                 return False
         for i in self.values:  # the rest: equal values (None and arrays absent: identity)
             given, mine = args[i], kept[i]
-            if given is not mine and (mine is None or freeze(given) != mine):
+            if given is mine:
+                continue
+            if mine is None:
+                return False
+            kind = type(given)
+            if kind is list or kind is tuple:  # counts: compared as they are, in C
+                if kind is not type(mine) or given != mine:
+                    return False
+            elif freeze(given) != mine:
                 return False
         return len(args) == len(kept)
 

@@ -863,6 +863,41 @@ def check_compat_repeat(comms, light):
     CK.check("Allgather" in c._remembered and "Reduce" in c._remembered,
              f"plain calls are remembered: {sorted(c._remembered)}")
     CK.check("Allgatherv" not in c._remembered, "a staged v-call is read again every time")
+    # IN_PLACE forms repeated with new values: a remembered call copies the own block anew
+    inplace, twin = np.zeros(n * P), np.zeros(n * P)
+    for k in range(3):
+        for label, mine, theirs in [
+                ("Allgather IN_PLACE", lambda b: c.Allgather(MPI.IN_PLACE, b),
+                 lambda b: WORLD.Allgather(MPI.IN_PLACE, b)),
+                ("Gather IN_PLACE", lambda b: c.Gather(MPI.IN_PLACE if RANK == root else
+                                                        b[RANK * n:(RANK + 1) * n], b,
+                                                        root=root),
+                 lambda b: WORLD.Gather(MPI.IN_PLACE if RANK == root else
+                                        b[RANK * n:(RANK + 1) * n], b, root=root)),
+                ("Reduce_scatter_block IN_PLACE",
+                 lambda b: c.Reduce_scatter_block(MPI.IN_PLACE, b),
+                 lambda b: WORLD.Reduce_scatter_block(MPI.IN_PLACE, b))]:
+            for b in (inplace, twin):
+                b[...] = np.arange(n * P) * (RANK + 1) + k
+            CK.attempt(f"{label} #{k}", lambda: mine(inplace))
+            theirs(twin)
+            part = slice(0, n) if label.startswith("Reduce") else slice(None)
+            if label.startswith("Gather") and RANK != root:
+                continue
+            CK.check(inplace[part].tobytes() == twin[part].tobytes(),
+                     f"wrap {label} call {k}: {inplace[part]} vs MPI's {twin[part]}")
+    # Reduce_scatter without recvcounts reads them with a message every call: never
+    # remembered, so a rank whose call changed (here the last) cannot leave the others behind
+    kept = {}  # the same arrays whenever this rank's call is the same
+    for k in range(3):
+        mine_n = 2 + (k if RANK == P - 1 else 0)
+        total = WORLD.allreduce(mine_n)
+        out_rs, ref_rs, src_rs = kept.setdefault(total, (
+            np.zeros(mine_n), np.zeros(mine_n), np.arange(total, dtype=np.float64) + RANK))
+        CK.attempt(f"Reduce_scatter #{k}", lambda: c.Reduce_scatter(src_rs, out_rs))
+        WORLD.Reduce_scatter(src_rs, ref_rs)
+        CK.check(out_rs.tobytes() == ref_rs.tobytes(), f"Reduce_scatter #{k}: {out_rs}")
+    CK.check("Reduce_scatter" not in c._remembered, "Reduce_scatter without counts remembered")
     # a receive buffer reshaped in place between calls is a new call, read again
     out = np.zeros(n * P)
     for shape in ((n * P,), (P, n), (n * P,)):
