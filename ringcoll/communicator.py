@@ -342,7 +342,8 @@ class Communicator:
             x (np.ndarray): at least 1-D; same shape and dtype on every rank.
             op: as for allreduce.
             out (np.ndarray): where to write this rank's block.
-            algorithm (str): "ring" (also "auto") or "native".
+            algorithm (str): "ring" or "native" (MPI's own); "auto": the faster of the two
+                at this size where the tuning table measured it, else "ring".
             counts (sequence of int): rows of each rank's block: size non-negative ints
                 summing to x.shape[0], the same on every rank (checked on each rank for
                 itself; debug mode compares them across ranks).
@@ -368,7 +369,8 @@ class Communicator:
         Args:
             x (np.ndarray): this rank's rows (a 0-d x is one row).
             out (np.ndarray): where to write the result.
-            algorithm (str): "ring" (also "auto") or "native".
+            algorithm (str): "ring" or "native" (MPI's own); "auto": the faster of the two
+                at this size where the tuning table measured it, else "ring".
             counts (sequence of int): the rows this rank expects from each rank, as
                 MPI_Allgatherv's recvcounts; checked against what the ranks pass (a
                 difference raises on every rank). Default: whatever they pass.
@@ -421,7 +423,8 @@ class Communicator:
                 refused: each rank's result covers a different number of ranks; scan with
                 "sum" and divide by comm.rank + 1.
             out (np.ndarray): where to write the result; out=x scans in place.
-            algorithm (str): "recursive_doubling" (also "auto").
+            algorithm (str): "recursive_doubling" or "native" (MPI's own); "auto": the
+                faster at this size where the tuning table measured it, else recursive doubling.
 
         Returns:
             np.ndarray: this rank's prefix (out if given). On one rank: a copy of x (x itself
@@ -449,7 +452,8 @@ class Communicator:
                 refused: exscan with "sum" and divide by comm.rank (on ranks > 0).
             out (np.ndarray): where to write the result; out=x scans in place (rank 0's x is
                 then unchanged).
-            algorithm (str): "recursive_doubling" (also "auto").
+            algorithm (str): "recursive_doubling" or "native" (MPI's own); "auto": the
+                faster at this size where the tuning table measured it, else recursive doubling.
 
         Returns:
             np.ndarray: this rank's prefix (out if given) on ranks > 0; None on rank 0 (and
@@ -532,7 +536,8 @@ class Communicator:
             x (np.ndarray): this rank's rows (a 0-d x is one row).
             root (int): the rank that receives the result.
             out (np.ndarray): where root writes the result (ignored on the other ranks).
-            algorithm (str): "tree" (also "auto").
+            algorithm (str): "tree" (also "auto", which sends the small exchanges before the
+                data by MPI's own calls where the transport has them).
             counts (sequence of int): on root, the rows it expects from each rank, as
                 MPI_Gatherv's recvcounts; checked against what the ranks pass (a difference
                 raises on every rank). Ignored elsewhere. Default: whatever they pass.
@@ -574,7 +579,8 @@ class Communicator:
                 A non-root without out gets a new array (NumPy; dtype and trailing shape
                 from root); for a structured dtype, or rows of more than 8 trailing
                 dimensions, a non-root must pass out.
-            algorithm (str): "tree" (also "auto").
+            algorithm (str): "tree" (also "auto", which sends the small exchanges before the
+                data by MPI's own calls where the transport has them).
 
         Returns:
             np.ndarray: this rank's block, shape (counts[rank],) + x.shape[1:] in root's

@@ -319,3 +319,46 @@ def test_a_repeated_small_scatter_sends_no_third_step(p):
 
     for rank, tags in enumerate(run(p, body)):
         assert "scatter" not in tags and tags, f"rank {rank}: {tags}"
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_alltoallv_repeats_with_counts_changing_and_a_refusal_after(p):
+    """alltoallv on the same arrays, with out=, called repeatedly while the counts change every
+    few calls (the counts list changed in place), every result against the blocks the senders
+    sent; then one rank's wrong recv_counts after repeated calls is refused on every rank."""
+    def body(comm):
+        r = comm.rank
+        x = np.arange(4 * p, dtype=np.int64) + 100 * r
+        counts = [(r + q) % 3 for q in range(p)]
+        results = []
+        for k in range(6):
+            if k == 3:
+                counts[:] = [1 + (r * q) % 2 for q in range(p)]  # in place: a new call
+            sent = sum(counts)
+            x[:sent] = np.arange(sent) + 100 * r + k
+            incoming = comm.allgather(np.array(counts))  # what every rank sends whom
+            rows = [int(incoming[q * p + r]) for q in range(p)]
+            out = comm._test_out = getattr(comm, "_test_out", {})
+            buf = out.setdefault(sum(rows), np.empty(sum(rows), np.int64))
+            got = comm.alltoallv(x[:sent], counts, out=buf)
+            want = []
+            for q in range(p):
+                theirs = [int(incoming[q * p + j]) for j in range(p)]
+                lo = sum(theirs[:r])
+                want += (np.arange(lo, lo + theirs[r]) + 100 * q + k).tolist()
+            results.append(got.tolist() == want)
+        errors = []
+        for _ in range(2):
+            bad = [0] * p if r == p - 1 and p > 1 else None
+            try:
+                comm.alltoallv(x[:sum(counts)], counts, out=buf, recv_counts=bad)
+                errors.append(None)
+            except ringcoll.RingcollError as e:
+                errors.append(type(e).__name__)
+        return results, errors
+
+    for rank, (results, errors) in enumerate(run(p, body)):
+        assert all(results), f"rank {rank}: {results}"
+        if p > 1:
+            want = "CollectiveMismatchError" if rank == p - 1 else "PeerFailedError"
+            assert errors == [want, want], f"rank {rank}: {errors}"

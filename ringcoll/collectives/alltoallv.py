@@ -24,7 +24,10 @@ In all, at most 2(p-1) a + 40 (p-1) b + the data's bytes without recv_counts=/ou
 rank, and ceil(log2 p) a + 8 (p-1) b more with them.
 
 "native": step 1 by MPI_Alltoall, step 2 by MPI_Allgather, step 3 by MPI_Alltoallv (the
-bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step.
+bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step. Under
+auto, steps 1 and 2 (a few numbers each) go by those MPI calls too where the transport has
+them, and step 3 is the pairwise exchange. The steps are built once per plan (Counts): a
+repeated call judges the exchanged numbers again only when they differ from the last ones.
 """
 
 
@@ -69,12 +72,22 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
                           lambda: Partition([c * row for c in counts]))
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
 
+    mpi = name == "native" or (algorithm in (None, "auto") and hasattr(g.t, "native_alltoall"))
+    exchange = Counts(g, x, counts, out, recv_counts, "native" if mpi else name)
+    last = [None, None]  # the counts last got, and (recv, result, dst, copy_to) for out=
+
     def run():
-        got = exchange(g, x, counts, out, recv_counts, name)  # host numbers, host transport
-        recv = Partition([c * row for c in got])
-        result = _args.output(out, (sum(got),) + x.shape[1:], x.dtype, ctx, side, rows=True)
-        dst, copy_to = _args.rows_target(result)
-        dst = _args.raw(dst)
+        got = exchange()  # host numbers, host transport
+        if got is last[0]:
+            recv, result, dst, copy_to = last[1]
+        else:
+            recv = Partition([c * row for c in got])
+            result = _args.output(out, (sum(got),) + x.shape[1:], x.dtype, ctx, side,
+                                  rows=True)
+            dst, copy_to = _args.rows_target(result)
+            dst = _args.raw(dst)
+            if out is not None:
+                last[:] = got, (recv, result, dst, copy_to)
         if name == "native":
             side.t.native_alltoallv(src, send.counts, dst, recv.counts)
         else:
@@ -88,21 +101,53 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
                 repeatable=x is given and out is not None)
 
 
-def exchange(g, x, counts, out, recv_counts, name):
-    """Steps 1 and 2 of the module docstring: the rows each rank sends this one (in rank
-    order), once every rank knows that the call is consistent; else every rank raises."""
+class Counts:
+    """Steps 1 and 2 of the module docstring, built once per plan: calling it returns the rows
+    each rank sends this one (in rank order; the very same list while they repeat), once every
+    rank knows that the call is consistent; else every rank raises."""
+
+    def __init__(self, g, x, counts, out, recv_counts, name):
+        p = g.size
+        self.g, self.x, self.out, self.recv_counts, self.name = g, x, out, recv_counts, name
+        layout = _args.layout(x.dtype, x.shape[1:])
+        checking = int(recv_counts is not None or out is not None)
+        self.mine = np.empty((p, 5), np.int64)  # row j: what rank j gets from this rank
+        self.mine[:, 0] = counts
+        self.mine[:, 1:] = [_args.row_elems(x), x.ndim, layout, checking]
+        self.theirs = np.empty_like(self.mine)  # row i: what rank i sent this rank
+        self.part = g.host.ws.partition(self.mine.size, p)
+        self.own, self.every = np.zeros(1, np.int64), np.empty(p, np.int64)
+        self.seen, self.got, self.verdict = None, None, FINE
+
+    def __call__(self):
+        g, mine, theirs = self.g, self.mine, self.theirs
+        if self.name == "native":
+            g.t.native_alltoall(mine.reshape(-1), theirs.reshape(-1))
+        else:
+            pairwise.alltoall(g.t, mine.reshape(-1), theirs.reshape(-1), self.part, Tag.COUNTS)
+        numbers = theirs.tobytes()
+        if numbers != self.seen:
+            self.got, self.verdict = _judge(g, mine, theirs, self.x, self.out,
+                                            self.recv_counts)
+            self.own[0] = self.verdict
+            self.seen = numbers
+        if not theirs[:, 4].any():  # no rank has anything to check: no verdict to share
+            return self.got
+        if self.name == "native":
+            g.t.native_allgather(self.own, self.every, [1] * g.size)
+            every = self.every
+        else:
+            every = bruck.allgather(g.t, self.own, Tag.VERDICT)[:, 0]
+        if self.verdict != FINE or every.any():
+            self.seen = None  # (judged again next time, to raise with the right context)
+            _refuse(g, self.verdict, every, self.got, self.x, self.out, self.recv_counts)
+        return self.got
+
+
+def _judge(g, mine, theirs, x, out, recv_counts):
+    """Step 1's numbers judged: (the rows each rank sends this one, this rank's verdict on
+    its own recv_counts= and out=); a dtype or trailing shape mismatch raises here."""
     p, r = g.size, g.rank
-    layout = _args.layout(x.dtype, x.shape[1:])
-    checking = int(recv_counts is not None or out is not None)
-    mine = np.empty((p, 5), np.int64)  # row j: what rank j gets from this rank
-    mine[:, 0] = counts
-    mine[:, 1:] = [_args.row_elems(x), x.ndim, layout, checking]
-    theirs = np.empty_like(mine)  # row i: what rank i sent this rank
-    if name == "native":
-        g.t.native_alltoall(mine.reshape(-1), theirs.reshape(-1))
-    else:
-        pairwise.alltoall(g.t, mine.reshape(-1), theirs.reshape(-1),
-                          g.host.ws.partition(mine.size, p), Tag.COUNTS)
     ctx = f"ringcoll rank {r}, {g.progress.call()}: "
     bad = [i for i in range(p) if tuple(theirs[i, 1:4]) != tuple(mine[0, 1:4])]
     if bad:
@@ -110,17 +155,17 @@ def exchange(g, x, counts, out, recv_counts, name):
             f"{ctx}rank(s) {bad} passed a different dtype or trailing shape than this rank "
             f"({x.dtype}, {x.shape[1:]}); only axis 0 may differ between ranks"))
     got = [int(c) for c in theirs[:, 0]]
-    if not theirs[:, 4].any():  # no rank has anything to check: no verdict to share
-        return got
     total = sum(got)
     verdict = (WRONG_RECV_COUNTS if recv_counts is not None and recv_counts != got
                else WRONG_OUT if out is not None and out.shape[0] != total else FINE)
-    own = np.array([verdict], np.int64)
-    if name == "native":
-        every = np.empty(p, np.int64)
-        g.t.native_allgather(own, every, [1] * p)
-    else:
-        every = bruck.allgather(g.t, own, Tag.VERDICT)[:, 0]
+    return got, verdict
+
+
+def _refuse(g, verdict, every, got, x, out, recv_counts):
+    """Step 2 found a wrong call: the error this rank raises (its own, or PeerFailedError)."""
+    p, r = g.size, g.rank
+    ctx = f"ringcoll rank {r}, {g.progress.call()}: "
+    total = sum(got)
     if verdict == WRONG_RECV_COUNTS:
         differ = [i for i in range(p) if recv_counts[i] != got[i]]
         raise checks.agreed(CollectiveMismatchError(
@@ -142,4 +187,3 @@ def exchange(g, x, counts, out, recv_counts, name):
         raise checks.agreed(PeerFailedError(
             f"{ctx}{why}, so no rank runs this alltoallv; fix the call on those ranks (their "
             "own errors say how)"))
-    return got
