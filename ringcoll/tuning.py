@@ -65,7 +65,7 @@ import os
 from dataclasses import dataclass
 from importlib import resources
 
-from .algorithms import ALLREDUCE, CostModel
+from .algorithms import ALLREDUCE, COLLECTIVE_ALGORITHMS, CostModel
 from .errors import RingcollError
 
 FORMAT = "ringcoll-tuning"
@@ -267,8 +267,6 @@ def _table(entry, where):
 
 def _collectives(found, p, nodes, where):
     """An entry's "collectives": {name: ranges} checked against each collective's algorithms."""
-    from . import collectives  # (here: collectives import the runner, not the other way)
-
     if found is None:
         return {}
     if not isinstance(found, dict):
@@ -276,11 +274,11 @@ def _collectives(found, p, nodes, where):
                               "algorithm], ...]")
     out = {}
     for name, ranges in found.items():
-        module = getattr(collectives, name, None)
-        if name == "allreduce" or not hasattr(module, "ALGORITHMS"):
+        if name not in COLLECTIVE_ALGORITHMS:
             raise TuningFileError(f"{where}: {name!r} is not a collective with choices here "
-                                  "(the all-reduce has its own ranges)")
-        out[name] = _ranges(ranges, p, nodes, f"{where}, {name}", module.ALGORITHMS)
+                                  f"(one of {sorted(COLLECTIVE_ALGORITHMS)}; the all-reduce "
+                                  "has its own ranges)")
+        out[name] = _ranges(ranges, p, nodes, f"{where}, {name}", COLLECTIVE_ALGORITHMS[name])
     return out
 
 

@@ -31,6 +31,16 @@ ALLREDUCE = {
 FLAT = ("ring", "recursive_doubling", "rabenseifner", "bruck")
 #: every name `algorithm=` accepts for allreduce
 ALLREDUCE_NAMES = ("auto", *ALLREDUCE, "native")
+#: the other collectives' algorithms (besides "auto"), ringcoll's own first: what auto runs
+#: where no tuning table measured the collective (ringcoll.tuning); each collective's module
+#: takes its ALGORITHMS from here, so that the tuning file can be checked below that layer
+COLLECTIVE_ALGORITHMS = {
+    "reduce_scatter": ("ring", "node", "native"), "allgather": ("ring", "node", "native"),
+    "broadcast": ("tree", "node", "native"), "reduce": ("tree", "native"),
+    "scan": ("recursive_doubling", "native"), "exscan": ("recursive_doubling", "native"),
+    "alltoall": ("pairwise", "native"), "alltoallv": ("pairwise", "native"),
+    "gather": ("tree",), "scatter": ("tree",), "barrier": ("dissemination", "native"),
+}
 
 
 @dataclass(frozen=True)

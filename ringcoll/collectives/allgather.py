@@ -18,14 +18,14 @@ import zlib
 import numpy as np
 
 from .. import checks
-from ..algorithms import native, node, ring
+from ..algorithms import COLLECTIVE_ALGORITHMS, native, node, ring
 from ..arrays import Partition
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
 from ..runner import Plan
 from . import _args
 
 NAME = "allgather"
-ALGORITHMS = ("ring", "node", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 1)
 

@@ -6,13 +6,13 @@ is MPI_Alltoall.
 """
 
 from ..algorithms import alltoall as pairwise
-from ..algorithms import native
+from ..algorithms import COLLECTIVE_ALGORITHMS, native
 from ..errors import InvalidArgumentError
 from ..runner import Plan
 from . import _args
 
 NAME = "alltoall"
-ALGORITHMS = ("pairwise", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 1)
 

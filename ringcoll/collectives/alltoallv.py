@@ -35,7 +35,7 @@ import numpy as np
 
 from .. import checks
 from ..algorithms import alltoall as pairwise
-from ..algorithms import bruck, native
+from ..algorithms import COLLECTIVE_ALGORITHMS, bruck, native
 from ..arrays import Partition
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
 from ..runner import Plan
@@ -43,7 +43,7 @@ from ..transport import Tag
 from . import _args
 
 NAME = "alltoallv"
-ALGORITHMS = ("pairwise", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
 

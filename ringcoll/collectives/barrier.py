@@ -6,12 +6,12 @@ MPI_Barrier.
 """
 
 from ..algorithms import barrier as dissemination
-from ..algorithms import native
+from ..algorithms import COLLECTIVE_ALGORITHMS, native
 from ..runner import Plan
 from . import _args
 
 NAME = "barrier"
-ALGORITHMS = ("dissemination", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = ()
 

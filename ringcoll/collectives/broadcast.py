@@ -9,14 +9,14 @@ every other rank copies them out, pipelined; the default for CuPy arrays on one 
 
 import numpy as np
 
-from ..algorithms import native, node, tree
+from ..algorithms import COLLECTIVE_ALGORITHMS, native, node, tree
 from ..arrays import check_movable, flat_view, is_device, writeable
 from ..errors import InvalidArgumentError, InvalidTypeError
 from ..runner import Plan
 from . import _args
 
 NAME = "broadcast"
-ALGORITHMS = ("tree", "node", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0,)
 

@@ -9,13 +9,13 @@ then goes up the binomial tree (algorithms/tree.py gather: broadcast's shape wit
 flowing towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes,
 plus the counts' exchange, (p-1) a by ringcoll's ring."""
 
-from ..algorithms import tree
+from ..algorithms import COLLECTIVE_ALGORITHMS, tree
 from ..runner import Plan
 from . import _args
 from .allgather import Rows, Target, expected_counts
 
 NAME = "gather"
-ALGORITHMS = ("tree",)
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
 

@@ -5,12 +5,12 @@ backwards, each rank combining what its children send, ceil(log2 p)(a + n b + n 
 root's critical path); "native" is MPI_Reduce.
 """
 
-from ..algorithms import native, tree
+from ..algorithms import COLLECTIVE_ALGORITHMS, native, tree
 from ..runner import Plan
 from . import _args
 
 NAME = "reduce"
-ALGORITHMS = ("tree", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 3)
 

@@ -10,13 +10,13 @@ arrays on one node); "native" is MPI_Reduce_scatter.
 """
 
 from .. import checks
-from ..algorithms import native, node, ring
+from ..algorithms import COLLECTIVE_ALGORITHMS, native, node, ring
 from ..arrays import Partition
 from ..runner import Plan
 from . import _args
 
 NAME = "reduce_scatter"
-ALGORITHMS = ("ring", "node", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
 

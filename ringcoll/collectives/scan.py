@@ -6,7 +6,7 @@ exchanges of the whole x); "native" is MPI_Scan (MPI_Exscan, rank 0 receiving in
 that its out stays as it was). exscan.py is the exclusive form and shares build() below.
 """
 
-from ..algorithms import native
+from ..algorithms import COLLECTIVE_ALGORITHMS, native
 from ..algorithms import scan as prefix
 from ..errors import InvalidArgumentError
 from ..ops import get_op
@@ -14,7 +14,7 @@ from ..runner import Plan
 from . import _args
 
 NAME = "scan"
-ALGORITHMS = ("recursive_doubling", "native")
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
 

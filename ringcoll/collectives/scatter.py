@@ -34,14 +34,14 @@ import operator
 import numpy as np
 
 from .. import checks
-from ..algorithms import tree
+from ..algorithms import COLLECTIVE_ALGORITHMS, tree
 from ..arrays import Partition, array_module, is_device, writeable
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
 from ..runner import Plan
 from . import _args
 
 NAME = "scatter"
-ALGORITHMS = ("tree",)
+ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 3)
 
