@@ -464,6 +464,15 @@ y = comm.scan(x); z = comm.exscan(np.arange(512.0))
 g = comm.allgather(x); comm.barrier()
 assert (y == x * (comm.rank + 1)).all() and (g == np.tile(x, comm.size)).all()
 assert comm.rank == 0 or (z == np.arange(512.0) * comm.rank).all()
+# x inside out (FSDP's all_gather_into_tensor): MPI forbids aliasing, so ringcoll's ring runs
+out = np.zeros(4 * comm.size)
+mine = out[4 * comm.rank:4 * comm.rank + 4]
+mine[...] = comm.rank
+comm.allgather(mine, out=out)
+assert (out == np.repeat(np.arange(comm.size), 4)).all(), out
+rs = np.arange(8.0 * comm.size)
+comm.reduce_scatter(rs, out=rs[:8])  # out inside x
+assert (rs[:8] == comm.size * (np.arange(8.0) + 8 * comm.rank)).all(), rs[:8]
 """
 
 
@@ -473,7 +482,8 @@ def test_auto_follows_hand_written_collective_ranges_under_mpi(tmp_path):
     table.write_text(json.dumps(tuning_file(entry(2, collectives={
         "broadcast": [[512, "native"], [1 << 30, "tree"]], "scan": [[512, "native"]],
         "exscan": [[512, "native"], [1 << 30, "recursive_doubling"]],
-        "allgather": [[4096, "native"], [1 << 30, "ring"]], "barrier": [[0, "native"]]}))))
+        "allgather": [[4096, "native"], [1 << 30, "ring"]], "barrier": [[0, "native"]],
+        "reduce_scatter": [[1 << 30, "native"]]}))))
     script = tmp_path / "check.py"
     script.write_text(COLLECTIVES_SCRIPT)
     rc, log = launch(2, [str(script)], {"RINGCOLL_TUNING": str(table), "RINGCOLL_DEBUG": "1"})

@@ -35,7 +35,11 @@ def plan(g, ctx, x, out, algorithm, counts=None):
     x, side = _args.rows_input(g, x, ctx, movable=True)
     counts = expected_counts(g, counts, ctx)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
+    # (an out= that x lives in, as FSDP's all_gather_into_tensor passes, stays ringcoll's:
+    # MPI forbids aliased buffers)
+    aliased = out is not None and side.xp.may_share_memory(x, out)
     measured = (algorithm in (None, "auto") and name == ALGORITHMS[0] and g.tuning is not None
+                and not aliased
                 and g.tuning.choose_collective(NAME, 0, g.size, g.nodes) is not None)
     if name == "native":
         native.check(side.t, None, ctx)

@@ -24,7 +24,9 @@ def plan(g, ctx, x, out, algorithm):
         raise InvalidArgumentError(
             f"{ctx}x.shape[0] = {x.shape[0]} must be a multiple of the communicator size "
             f"{g.size} (one equal block per rank)")
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side, (NAME, x.nbytes, None))
+    aliased = out is not None and side.xp.may_share_memory(x, out)  # MPI forbids: ours then
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side,
+                             None if aliased else (NAME, x.nbytes, None))
     out = _args.output(out, x.shape, x.dtype, ctx, side, rows=True)
     src, (dst, copy_to) = x.reshape(-1), _args.rows_target(out)
     src, dst = _args.raw(src), _args.raw(dst)  # raw: a struct's padding travels too

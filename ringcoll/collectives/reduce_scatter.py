@@ -26,7 +26,9 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
     x, op, combine, side = _args.reduction(g, x, op, ctx)
     t, ws, size = side.t, side.ws, g.size
     x = _args.as_rows(x)
-    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side, (NAME, x.nbytes, x.dtype))
+    aliased = out is not None and side.xp.may_share_memory(x, out)  # MPI forbids: ours then
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side,
+                             None if aliased else (NAME, x.nbytes, x.dtype))
     row = _args.row_elems(x)
     if counts is None:
         part = ws.row_partition(x.shape[0], size, row)
