@@ -47,21 +47,9 @@ def main():
         y = {k: np.empty_like(x[k]) for k in x}
         run = {"wrap": lambda: wrapped.Allreduce(x["wrap"], y["wrap"]),
                "core": lambda: core.allreduce(x["core"], out=y["core"])}
-        times = {k: [] for k in run}
-        for k in run:
-            for _ in range(min(calls, 50)):
-                run[k]()
         rounds = args.rounds if calls > 3 else max(6, args.rounds // 6)
-        for r in range(rounds):
-            for k in (("wrap", "core") if r % 2 == 0 else ("core", "wrap")):
-                call = run[k]
-                world.Barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    call()
-                times[k].append(world.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
+        a, b = alternate(world, run, calls, rounds, warm=min(calls, 50))
         wrong += sum(int(not (y[k].min() == want == y[k].max())) for k in y)
-        a, b = statistics.median(times["wrap"]), statistics.median(times["core"])
         limit = args.limit if nbytes <= 1024 else 1.1
         missed |= a / b > limit
         rows.append((nbytes, a, b, limit))
@@ -77,6 +65,24 @@ def main():
     wrapped.Free()
     core.close()
     sys.exit(1 if wrong else 3 if missed else 0)
+
+
+def alternate(world, run, calls, rounds, warm):
+    """Median seconds per call (max over ranks) of run["wrap"] and run["core"], timed in
+    blocks of `calls` that alternate (wrap, core, core, wrap, ...) after `warm` calls each."""
+    times = {k: [] for k in run}
+    for k in run:
+        for _ in range(warm):
+            run[k]()
+    for r in range(rounds):
+        for k in (("wrap", "core") if r % 2 == 0 else ("core", "wrap")):
+            call = run[k]
+            world.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                call()
+            times[k].append(world.allreduce((time.perf_counter() - t0) / calls, op=MPI.MAX))
+    return statistics.median(times["wrap"]), statistics.median(times["core"])
 
 
 def pairs(wrapped, core, n, p, rank):
@@ -125,23 +131,10 @@ def every_collective(args):
     for nbytes in (8, 256, 1024):
         for name, (wrap_call, core_call, results) in pairs(wrapped, core, nbytes // 8, p,
                                                            rank).items():
-            times = {"wrap": [], "core": []}
             run = {"wrap": wrap_call, "core": core_call}
-            for k in run:
-                for _ in range(50):
-                    run[k]()
+            a, b = alternate(world, run, calls, max(6, args.rounds // 4), warm=50)
             if results is not None:
                 wrong += int(results[0].tobytes() != results[1].tobytes())
-            for r in range(max(6, args.rounds // 4)):
-                for k in (("wrap", "core") if r % 2 == 0 else ("core", "wrap")):
-                    call = run[k]
-                    world.Barrier()
-                    t0 = time.perf_counter()
-                    for _ in range(calls):
-                        call()
-                    times[k].append(world.allreduce((time.perf_counter() - t0) / calls,
-                                                    op=MPI.MAX))
-            a, b = statistics.median(times["wrap"]), statistics.median(times["core"])
             missed |= a / b > args.limit
             rows.append((name, nbytes, a, b))
     wrong = world.allreduce(wrong)
