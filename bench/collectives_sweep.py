@@ -44,7 +44,6 @@ Exit status: 0 every target met; 3 a target missed; 1 a wrong result; 2 bad argu
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import importlib.util
 import io
-import os
 import statistics
 import sys
 import types

@@ -1,8 +1,9 @@
 """All-gather: every rank's x concatenated along axis 0, on every rank.
 
 Ranks may pass different lengths on axis 0: the row counts (and a check that dtypes,
-trailing shapes, out= and any counts= agree) travel first in a small all-gather of 6 numbers
-per rank (rows), then the data. The ringcoll algorithm is the ring's all-gather half
+trailing shapes, out= and any counts= agree) travel first in a small all-gather of META
+numbers per rank (Rows), then the data; a repeated call's small rows ride with them (no second
+step). The ringcoll algorithm is the ring's all-gather half
 (algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "node" the
 node tier's (algorithms/node.py: each rank copies the blocks it lacks from the others' shared
 memory; the default for CuPy arrays on one node); "native" is MPI_Allgatherv.
