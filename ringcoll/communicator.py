@@ -222,6 +222,13 @@ class Communicator:
             self._runner.invalid(error, collective)
         raise error
 
+    def again(self, collective, call):
+        """For a front-end that remembers its own arguments (ringcoll.wrap): call(), a call
+        of `collective` (its method name) just made, as a zero-argument callable that runs
+        it again with no argument matching at all (runner.Again). The front-end must have
+        checked that its arguments are the very same arrays, unchanged, and equal values."""
+        return self._runner.again(collective, call)
+
     def auto_algorithm(self, nbytes, inplace=False):
         """The all-reduce algorithm `auto` runs on this communicator for a buffer of nbytes.
 

@@ -245,15 +245,16 @@ class _Remembered:
     views a NumPy array or a buffer object (bytearray, mmap, array.array, ...) the caller
     passed, so no packed or staged copy would be sent stale.
     The arguments match the very same objects (a spec list: the same items), every array of
-    them still writeable."""
+    them still writeable and of the same dtype. run is the Communicator's again(): the
+    core's own plan run with no second matching."""
 
-    __slots__ = ("args", "keys", "arrays", "run")
+    __slots__ = ("args", "keys", "layouts", "run")
 
     @classmethod
     def of(cls, args, kwargs, read):
         if read is None:
             return None
-        core, core_args, core_kwargs, finish, copy = read
+        again, core_args, core_kwargs, finish, copy = read
         if finish is not None:
             return None
         given = [a for a in list(args) + list(kwargs.values()) for a in _items(a)]
@@ -274,16 +275,19 @@ class _Remembered:
         r = cls()
         r.args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a
                        for a in args + tuple(kwargs.values()))
-        r.keys, r.arrays = tuple(kwargs), tuple(arrays)
-        call = functools.partial(core, *core_args, **core_kwargs)
+        r.keys = tuple(kwargs)
+        # the core no longer matches its arguments (see Communicator.again): an array the
+        # caller retypes in place (x.dtype = ...) is read anew here. (A reshape in place
+        # keeps the memory and the element count, which is all an MPI call reads.)
+        r.layouts = tuple((a, a.dtype) for a in arrays)
         if copy is None:
-            r.run = call
+            r.run = again
         else:
             into, source = copy
 
             def refresh_then_call():
                 into[...] = source
-                call()
+                again()
             r.run = refresh_then_call
         return r
 
@@ -303,8 +307,8 @@ class _Remembered:
                         type(kept) is not tuple or not isinstance(given, (list, tuple))
                         or len(given) != len(kept) or not all(map(operator.is_, kept, given))):
                     return False
-        for a in self.arrays:
-            if not a.flags.writeable:
+        for a, dtype in self.layouts:
+            if a.dtype is not dtype or not a.flags.writeable:
                 return False
         return True
 
@@ -640,9 +644,10 @@ class MPICompat:
         if not blocking:
             return Request(getattr(comm, "i" + method)(*args, **kwargs), finish)
         core = getattr(comm, method)
-        if remember:  # for _passes_through to remember
-            self._reading = (core, args, kwargs, finish, copy)
         core(*args, **kwargs)
+        if remember:  # for _passes_through to remember
+            again = comm.again(method, functools.partial(core, *args, **kwargs))
+            self._reading = (again, args, kwargs, finish, copy)
         if finish is not None:
             finish()
         return None

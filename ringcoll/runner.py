@@ -34,21 +34,28 @@ from .cache import BoundedCache
 from .errors import InvalidArgumentError, RingcollError, where
 
 
+#: Plan.result when run() returns the result itself
+RETURNED = object()
+
+
 class Plan:
     """One checked call, ready to run: run() does it and returns its result.
 
     collective and algorithm name it (Progress, errors, debug mode); fields is debug mode's
     description of this rank's call (None outside debug mode); schedule lists the (peer, tag)
     of its bound steps, in order (see Progress). replay, if set, is the Replay a repeated
-    identical call may run instead of building a new plan.
+    identical call may run instead of building a new plan. result, if given, is the call's
+    result, fixed when planning: run() is then a bound MPI call (see native.bind) whose own
+    return value is not it.
     """
 
-    __slots__ = ("collective", "algorithm", "fields", "run", "schedule", "replay", "repeatable")
+    __slots__ = ("collective", "algorithm", "fields", "run", "schedule", "replay", "repeatable",
+                 "result")
 
     def __init__(self, collective, algorithm, fields, run, schedule=(), replay=None,
-                 repeatable=False):
+                 repeatable=False, result=RETURNED):
         self.collective, self.algorithm, self.fields = collective, algorithm, fields
-        self.run, self.schedule, self.replay = run, schedule, replay
+        self.run, self.schedule, self.replay, self.result = run, schedule, replay, result
         # repeatable: run() may run again for the very same arguments (see Repeat): it reads
         # the caller's arrays themselves (no copy of them made while planning) and writes
         # into the caller's out= (no result allocated while planning)
@@ -92,15 +99,16 @@ class Repeat:
     dtype and shape they had. Every other argument matches an equal value (see freeze).
     """
 
-    __slots__ = ("args", "values", "layouts", "plan", "run", "current")
+    __slots__ = ("args", "values", "layouts", "absent", "plan", "run", "result", "current")
 
     def __init__(self, args, buffers, plan):
         self.args = tuple(a if i in buffers else freeze(a) for i, a in enumerate(args))
         self.values = tuple(i for i in range(len(args)) if i not in buffers)
-        # (position, dtype, shape) of every array argument; None arguments match by identity
+        # (position, dtype, shape) of every array argument; the positions of those left out
         self.layouts = tuple((i, args[i].dtype, args[i].shape) for i in buffers
                              if hasattr(args[i], "dtype"))
-        self.plan, self.run = plan, plan.run
+        self.absent = tuple(i for i in buffers if args[i] is None)
+        self.plan, self.run, self.result = plan, plan.run, plan.result
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
 
     def matches(self, args):
@@ -109,7 +117,10 @@ class Repeat:
             given = args[i]
             if given is not kept[i] or given.dtype is not dtype or given.shape != shape:
                 return False
-        for i in self.values:  # the rest: equal values (None and arrays absent: identity)
+        for i in self.absent:  # an array argument left out (None) is left out again
+            if args[i] is not None:
+                return False
+        for i in self.values:  # the rest: equal values
             given, mine = args[i], kept[i]
             if given is mine:
                 continue
@@ -138,6 +149,28 @@ def run_steps(steps, result):
     for step in steps:
         step()
     return result
+
+
+class Again:
+    """A front-end's remembered call of collective `name` (wrap() checks that its own
+    arguments are the very same as then), run with no second matching: the Repeat the
+    runner made of it runs again while it is still the last call of `name` and nothing is
+    pending. Otherwise call(), the full call (a call in between replaced that Repeat, or
+    non-blocking calls are queued ahead), whose Repeat is then held instead."""
+
+    __slots__ = ("runner", "name", "call", "r")
+
+    def __init__(self, runner, name, call):
+        self.runner, self.name, self.call = runner, name, call
+        self.r = runner._repeats.get(name)
+
+    def __call__(self):
+        runner, r = self.runner, self.r
+        if r is not None and runner._repeats.get(self.name) is r and runner._tail is None:
+            return runner.repeat(r)
+        result = self.call()
+        self.r = runner._repeats.get(self.name)
+        return result
 
 
 class Request:
@@ -208,24 +241,34 @@ class Runner:
         collective.BUFFERS names the positions of args that are arrays (see Repeat)."""
         r = self._repeats.get(collective.NAME)
         if r is not None and self._tail is None and r.matches(args):
-            progress = self._progress
-            progress.seq += 1  # progress.begin, inlined: this is the small-message hot path
-            progress.current, progress.step, progress.at = r.current, 0, None
-            try:
-                result = r.run()
-            except BaseException as exc:
-                if not getattr(exc, "ringcoll_agreed", False):
-                    self.g.t.fail(exc)  # MPI: print it and abort the job (it needs current)
-                progress.current = None  # every rank raised it alike: this call is over
-                raise
-            progress.current = None  # progress.end(), inlined
-            return result
+            return self.repeat(r)
         plan = self.plan(collective, *args)
         if plan.repeatable and plan.fields is None and freeze_all(args, collective.BUFFERS):
             self._repeats[collective.NAME] = Repeat(args, collective.BUFFERS, plan)
         else:
             self._repeats.pop(collective.NAME, None)
         return self.run(plan)
+
+    def repeat(self, r):
+        """Run Repeat r again: the last call of its collective, whose arguments were found
+        the same, with nothing pending (see call and again). The progress record is inlined:
+        this is the small-message hot path."""
+        progress = self._progress
+        progress.seq += 1  # progress.begin
+        progress.current, progress.step, progress.at = r.current, 0, None
+        try:
+            result = r.run()  # (a bound MPI call returns None: r.result is the result)
+        except BaseException as exc:
+            if not getattr(exc, "ringcoll_agreed", False):
+                self.g.t.fail(exc)  # MPI: print it and abort the job (it needs current)
+            progress.current = None  # every rank raised it alike: this call is over
+            raise
+        progress.current = None  # progress.end()
+        return result if r.result is RETURNED else r.result
+
+    def again(self, name, call):
+        """For a front-end that remembers its own arguments (wrap()): see Again."""
+        return Again(self, name, call)
 
     def run(self, plan):
         """Run plan (see execute), after any pending non-blocking calls; return its result.
@@ -258,6 +301,8 @@ class Runner:
             if g.options.debug:
                 self.agree(plan.collective, plan.algorithm, plan.fields)
             result = plan.run()
+            if plan.result is not RETURNED:
+                result = plan.result
         except BaseException as exc:
             if not getattr(exc, "ringcoll_agreed", False):
                 g.t.fail(exc)

@@ -906,6 +906,30 @@ def check_compat_repeat(comms, light):
         CK.check(out.reshape(-1).tolist() == [v for r in range(P)
                                               for v in (np.arange(n) + 10 * r + 3).tolist()],
                  f"Allgather into out of shape {shape}")
+    # a remembered call runs the core's plan with no matching of its own (Communicator.again):
+    # a send buffer retyped in place must be read again (MPI reduces it as the new type), and
+    # a Communicator call of the same collective in between must not leave a stale plan
+    # (tuning=False: ringcoll's own tree, whose plan is bound to a dtype; MPI's own call
+    # reads the buffer's format anew each time)
+    own = CK.attempt("wrap tuning=False", lambda: ringcoll.wrap(WORLD, tuning=False))
+    x8, got, want = np.zeros(n), np.zeros(n), np.zeros(n)
+    for k, retype in enumerate((None, None, None, np.int64, np.int64, np.float64)):
+        x8.dtype, got.dtype, want.dtype = (np.float64,) * 3  # (an itemsize-8 view, in place)
+        if retype is not None:
+            for a in (x8, got, want):
+                a.dtype = retype
+        x8[...] = np.arange(n) + RANK + k + 2
+        # (a product: small ints read as float64 are denormals, whose sums add as ints do)
+        CK.attempt(f"Reduce retyped #{k}",
+                   lambda: own.Reduce(x8, got, op=MPI.PROD, root=root))
+        WORLD.Reduce(x8, want, op=MPI.PROD, root=root)
+        if RANK == root:
+            CK.check(got.tobytes() == want.tobytes(), f"Reduce retyped to {retype} #{k}: "
+                     f"{got} vs MPI's {want}")
+        if k == 1:  # (not before a retype: the core's own call notices that itself)
+            own.ringcoll.reduce(np.ones(3), root=root, out=np.zeros(3) if RANK == root else None)
+    CK.check("Reduce" in own._remembered, "Reduce remembered after the retyped calls")
+    own.Free()
 
 
 def check_compat_buffers(comms, light):

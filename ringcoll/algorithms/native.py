@@ -6,6 +6,8 @@ bfloat16, so those cannot use `native` for a reduction; the data-movement collec
 (broadcast, allgather, alltoall) send bytes and take any fixed-size dtype.
 """
 
+from functools import partial
+
 from ..arrays import HALF_TYPES
 from ..errors import InvalidArgumentError, InvalidTypeError
 
@@ -22,3 +24,14 @@ def check(t, dtype, where):
 def bind_allreduce(t, src, dst, op_name):
     """MPI_Allreduce of src into dst (in place when src is dst) as a zero-argument step."""
     return t.bind_native_allreduce(src, dst, op_name)
+
+
+def bind(t, call, *args):
+    """t's MPI collective `call` ("native_reduce", ...) with args, as a zero-argument step.
+
+    The MPI transport binds mpi4py's own method with its arguments prepared (operation,
+    in-place marker, byte specs), so a repeated small call runs no Python of ours between
+    the plan and MPI: the whole of ringcoll's cost there. Other transports (a device's over
+    MPI) have no bind_<call>: their method is bound as it is."""
+    binder = getattr(t, "bind_" + call, None)
+    return binder(*args) if binder is not None else partial(getattr(t, call), *args)

@@ -42,5 +42,9 @@ def plan(g, ctx, x, out, algorithm):
         _args.copy_rows(dst, copy_to)
         return out
 
-    return Plan(NAME, name, _args.fields(g, side, x=x), _args.on_side(run, side),
-                repeatable=x is given and given_out is not None)
+    fields, repeatable = _args.fields(g, side, x=x), x is given and given_out is not None
+    if name == "native" and copy_to is None:  # MPI's call is all of it
+        return Plan(NAME, name, fields,
+                    _args.on_side(native.bind(side.t, "native_alltoall", src, dst), side),
+                    repeatable=repeatable, result=out)
+    return Plan(NAME, name, fields, _args.on_side(run, side), repeatable=repeatable)

@@ -48,5 +48,9 @@ def plan(g, ctx, x, root, algorithm):
             (node if name == "node" else tree).broadcast(side.t, buf, root, side.ws)
         return x
 
-    return Plan(NAME, name, _args.fields(g, side, x=x, root=int(root)), _args.on_side(run, side),
-                repeatable=True)  # x itself, in place
+    fields = _args.fields(g, side, x=x, root=int(root))
+    if name == "native":  # MPI's call is all of it
+        return Plan(NAME, name, fields,
+                    _args.on_side(native.bind(side.t, "native_bcast", buf, root), side),
+                    repeatable=True, result=x)
+    return Plan(NAME, name, fields, _args.on_side(run, side), repeatable=True)  # x, in place

@@ -46,5 +46,9 @@ def plan(g, ctx, x, op, root, out, algorithm):
 
     # a repeat needs src to be x itself (not a copy) and root's result to be the caller's out
     repeatable = x is given and _args.flat_view(x) is not None and (not is_root or given_out is not None)
-    return Plan(NAME, name, _args.fields(g, side, op, x, root=int(root)),
-                _args.on_side(run, side), repeatable=repeatable)
+    fields = _args.fields(g, side, op, x, root=int(root))
+    if name == "native" and op.name != "avg" and copy_out is None:  # MPI's call is all of it
+        bound = native.bind(t, "native_reduce", src, dst, root, op.mpi_name)
+        return Plan(NAME, name, fields, _args.on_side(bound, side), repeatable=repeatable,
+                    result=out if is_root else None)
+    return Plan(NAME, name, fields, _args.on_side(run, side), repeatable=repeatable)

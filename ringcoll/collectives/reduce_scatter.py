@@ -75,5 +75,9 @@ def plan(g, ctx, x, op, out, algorithm, counts=None):
 
     # debug mode compares the counts too; counts equal to the default split are the default
     more = {"counts": _args.counts_field(blocks)} if g.options.debug and blocks else {}
-    return Plan(NAME, name, _args.fields(g, side, op, x, **more), _args.on_side(run, side),
-                repeatable=x is given and given_out is not None)
+    fields, repeatable = _args.fields(g, side, op, x, **more), x is given and given_out is not None
+    if name == "native" and op.name != "avg" and copy_to is None:  # MPI's call is all of it
+        bound = native.bind(t, "native_reduce_scatter", src, dst, part.counts, op.mpi_name)
+        return Plan(NAME, name, fields, _args.on_side(bound, side), repeatable=repeatable,
+                    result=out)
+    return Plan(NAME, name, fields, _args.on_side(run, side), repeatable=repeatable)

@@ -63,5 +63,10 @@ def build(g, ctx, name, x, op, out, algorithm, exclusive):
 
     # a repeat needs src to be x itself (not a copy) and the result to be the caller's out
     repeatable = x is given and _args.flat_view(x) is not None and (given_out is not None or gets_none)
-    return Plan(name, algo, _args.fields(g, side, op, x), _args.on_side(run, side),
-                repeatable=repeatable)
+    fields = _args.fields(g, side, op, x)
+    if algo == "native" and copy_out is None:  # MPI's call is all of it
+        into = ws.scratch("exscan.rank0", src.size, src.dtype) if gets_none else dst
+        bound = native.bind(t, "native_" + name, src, into, op.mpi_name)
+        return Plan(name, algo, fields, _args.on_side(bound, side), repeatable=repeatable,
+                    result=None if gets_none else out)
+    return Plan(name, algo, fields, _args.on_side(run, side), repeatable=repeatable)

@@ -282,7 +282,12 @@ class MPITransport(Transport):
         self.bind_native_allreduce(sendbuf, recvbuf, op_name)()
 
     def native_reduce_scatter(self, sendbuf, recvbuf, counts, op_name):
-        self.comm.Reduce_scatter(sendbuf, recvbuf, counts, _OPS[op_name])
+        self.bind_native_reduce_scatter(sendbuf, recvbuf, counts, op_name)()
+
+    def bind_native_reduce_scatter(self, sendbuf, recvbuf, counts, op_name):
+        if all(c == counts[0] for c in counts):  # the block form: no counts to read
+            return partial(self.comm.Reduce_scatter_block, sendbuf, recvbuf, _OPS[op_name])
+        return partial(self.comm.Reduce_scatter, sendbuf, recvbuf, list(counts), _OPS[op_name])
 
     # The data-movement collectives go as bytes, like the point-to-point calls: mpi4py finds
     # an MPI datatype from a buffer's format and has none for str, bytes, void, structured,
@@ -299,14 +304,24 @@ class MPITransport(Transport):
         self.comm.Gather([sendbuf, BYTE], None if recvbuf is None else [recvbuf, BYTE], root)
 
     def native_bcast(self, buf, root):
-        self.comm.Bcast([buf, BYTE], root)
+        self.bind_native_bcast(buf, root)()
+
+    def bind_native_bcast(self, buf, root):
+        return partial(self.comm.Bcast, [buf, BYTE], root)
 
     def native_reduce(self, sendbuf, recvbuf, root, op_name):
         """recvbuf is None except on root; sendbuf is recvbuf for an in-place reduce."""
-        self.comm.Reduce(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name], root)
+        self.bind_native_reduce(sendbuf, recvbuf, root, op_name)()
+
+    def bind_native_reduce(self, sendbuf, recvbuf, root, op_name):
+        return partial(self.comm.Reduce, _in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name],
+                       root)
 
     def native_alltoall(self, sendbuf, recvbuf):
-        self.comm.Alltoall([sendbuf, BYTE], [recvbuf, BYTE])
+        self.bind_native_alltoall(sendbuf, recvbuf)()
+
+    def bind_native_alltoall(self, sendbuf, recvbuf):
+        return partial(self.comm.Alltoall, [sendbuf, BYTE], [recvbuf, BYTE])
 
     def native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
         """MPI_Alltoallv; counts in elements of the buffers' dtype, blocks back to back. The
@@ -316,12 +331,21 @@ class MPITransport(Transport):
     def native_barrier(self):
         self.comm.Barrier()
 
+    def bind_native_barrier(self):
+        return self.comm.Barrier
+
     def native_scan(self, sendbuf, recvbuf, op_name):
-        self.comm.Scan(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
+        self.bind_native_scan(sendbuf, recvbuf, op_name)()
+
+    def bind_native_scan(self, sendbuf, recvbuf, op_name):
+        return partial(self.comm.Scan, _in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
 
     def native_exscan(self, sendbuf, recvbuf, op_name):
         """recvbuf: rank 0's is left undefined by MPI (pass scratch there)."""
-        self.comm.Exscan(_in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
+        self.bind_native_exscan(sendbuf, recvbuf, op_name)()
+
+    def bind_native_exscan(self, sendbuf, recvbuf, op_name):
+        return partial(self.comm.Exscan, _in_place(sendbuf, recvbuf), recvbuf, _OPS[op_name])
 
 
 class _MPIWindow(Window):
