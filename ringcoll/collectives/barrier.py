@@ -5,6 +5,8 @@ round k rank r signals r + 2^k and waits for r - 2^k, ceil(log2 p) a); "native" 
 MPI_Barrier.
 """
 
+from functools import partial
+
 from ..algorithms import barrier as dissemination
 from ..algorithms import COLLECTIVE_ALGORITHMS, native
 from ..runner import Plan
@@ -18,16 +20,9 @@ BUFFERS = ()
 
 def plan(g, ctx, algorithm):
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, None, (NAME, 0, None))
-    if name == "native":
-        native.check(g.t, None, ctx)
-
-    def run():
-        if name == "native":
-            g.t.native_barrier()
-        else:
-            dissemination.barrier(g.t, g.host.ws)
-
     if name == "native":  # MPI's call is all of it
+        native.check(g.t, None, ctx)
         return Plan(NAME, name, _args.fields(g, None), native.bind(g.t, "native_barrier"),
                     repeatable=True, result=None)
-    return Plan(NAME, name, _args.fields(g, None), run, repeatable=True)
+    return Plan(NAME, name, _args.fields(g, None),
+                partial(dissemination.barrier, g.t, g.host.ws), repeatable=True)

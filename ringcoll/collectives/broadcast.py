@@ -38,19 +38,15 @@ def plan(g, ctx, x, root, algorithm):
                                    "np.ascontiguousarray(x) and copy back")
     if g.rank != root and not writeable(x):
         raise InvalidArgumentError(f"{ctx}x is read-only; broadcast needs to write into it")
-    if name == "native":
-        native.check(side.t, None, ctx)
-
-    def run():
-        if name == "native":
-            side.t.native_bcast(buf, root)
-        else:
-            (node if name == "node" else tree).broadcast(side.t, buf, root, side.ws)
-        return x
-
     fields = _args.fields(g, side, x=x, root=int(root))
     if name == "native":  # MPI's call is all of it
+        native.check(side.t, None, ctx)
         return Plan(NAME, name, fields,
                     _args.on_side(native.bind(side.t, "native_bcast", buf, root), side),
                     repeatable=True, result=x)
+
+    def run():
+        (node if name == "node" else tree).broadcast(side.t, buf, root, side.ws)
+        return x
+
     return Plan(NAME, name, fields, _args.on_side(run, side), repeatable=True)  # x, in place
