@@ -365,7 +365,7 @@ class Communicator:
         """
         return self._runner.call(collectives.reduce_scatter, x, op, out, algorithm, counts)
 
-    def allgather(self, x, out=None, algorithm=None, counts=None):
+    def allgather(self, x, out=None, algorithm=None, counts=None, declared=False):
         """Concatenate every rank's x along axis 0, on every rank.
 
         Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
@@ -381,6 +381,10 @@ class Communicator:
             counts (sequence of int): the rows this rank expects from each rank, as
                 MPI_Allgatherv's recvcounts; checked against what the ranks pass (a
                 difference raises on every rank). Default: whatever they pass.
+            declared (bool): True on every rank, with the same counts on every rank, as
+                MPI_Allgatherv's contract: the ranks then agree on counts, dtype and row
+                shape once per distinct call, and the same call again sends only the data
+                (see docs/errors.md for what is then no longer checked).
 
         Returns:
             np.ndarray: shape (sum of rows,) + x.shape[1:]; rank 0's rows first.
@@ -389,7 +393,7 @@ class Communicator:
 
             # 3 ranks, x = np.array([rank]): every rank gets [0, 1, 2]
         """
-        return self._runner.call(collectives.allgather, x, out, algorithm, counts)
+        return self._runner.call(collectives.allgather, x, out, algorithm, counts, declared)
 
     def broadcast(self, x, root=0, algorithm=None):
         """Copy root's x into x on every rank, in place; returns x.
@@ -529,7 +533,7 @@ class Communicator:
         """
         return self._runner.call(collectives.alltoallv, x, counts, out, recv_counts, algorithm)
 
-    def gather(self, x, root=0, out=None, algorithm=None, counts=None):
+    def gather(self, x, root=0, out=None, algorithm=None, counts=None, declared=False):
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
 
         Ranks may pass different lengths on axis 0; the other dimensions and the dtype must
@@ -547,7 +551,13 @@ class Communicator:
                 data by MPI's own calls where the transport has them).
             counts (sequence of int): on root, the rows it expects from each rank, as
                 MPI_Gatherv's recvcounts; checked against what the ranks pass (a difference
-                raises on every rank). Ignored elsewhere. Default: whatever they pass.
+                raises on every rank). Ignored elsewhere unless declared. Default: whatever
+                they pass.
+            declared (bool): True on every rank, each passing root's counts: the ranks then
+                agree on counts, dtype and row shape once per distinct call, and the same
+                call again sends only the data (by MPI_Gather itself under auto, for equal
+                blocks of up to 64 KiB in host memory; see docs/errors.md for what is then
+                no longer checked).
 
         Returns:
             np.ndarray on root: shape (sum of rows,) + x.shape[1:], rank 0's rows first;
@@ -558,9 +568,10 @@ class Communicator:
             # 3 ranks, x = np.full(rank + 1, rank): rank 0 gets [0, 1, 1, 2, 2, 2]
             y = comm.gather(np.full(comm.rank + 1, comm.rank), root=0)
         """
-        return self._runner.call(collectives.gather, x, root, out, algorithm, counts)
+        return self._runner.call(collectives.gather, x, root, out, algorithm, counts,
+                                 declared)
 
-    def scatter(self, x, root=0, counts=None, out=None, algorithm=None):
+    def scatter(self, x, root=0, counts=None, out=None, algorithm=None, declared=False):
         """Split root's x along axis 0 into one block per rank; rank r gets block r.
 
         counts=None splits like np.array_split(x, size) (the first x.shape[0] % size blocks
@@ -588,6 +599,11 @@ class Communicator:
                 dimensions, a non-root must pass out.
             algorithm (str): "tree" (also "auto", which sends the small exchanges before the
                 data by MPI's own calls where the transport has them).
+            declared (bool): True on every rank, each passing root's counts and (but root)
+                out=: the ranks then agree once per distinct call, and the same call again
+                sends only the data (by MPI_Scatter itself under auto, for equal blocks of up
+                to 64 KiB in host memory; see docs/errors.md for what is then no longer
+                checked).
 
         Returns:
             np.ndarray: this rank's block, shape (counts[rank],) + x.shape[1:] in root's
@@ -603,7 +619,8 @@ class Communicator:
             # explicit counts: rank 0 gets [], rank 1 [0, 1, 2, 3], rank 2 [4]
             y = comm.scatter(np.arange(5) if comm.rank == 0 else None, counts=[0, 4, 1])
         """
-        return self._runner.call(collectives.scatter, x, root, counts, out, algorithm)
+        return self._runner.call(collectives.scatter, x, root, counts, out, algorithm,
+                                 declared)
 
     def barrier(self, algorithm=None):
         """Return only once every rank has called barrier()."""
@@ -627,9 +644,10 @@ class Communicator:
         return self._start(collectives.alltoallv, "ialltoallv", x, counts, out, recv_counts,
                            algorithm)
 
-    def iallgather(self, x, out=None, algorithm=None, counts=None):
+    def iallgather(self, x, out=None, algorithm=None, counts=None, declared=False):
         """Non-blocking allgather: a Request; wait() gives the concatenated rows."""
-        return self._start(collectives.allgather, "iallgather", x, out, algorithm, counts)
+        return self._start(collectives.allgather, "iallgather", x, out, algorithm, counts,
+                           declared)
 
     def ibroadcast(self, x, root=0, algorithm=None):
         """Non-blocking broadcast: a Request; wait() gives x, filled with root's data."""
@@ -643,13 +661,15 @@ class Communicator:
         """Non-blocking alltoall: a Request; wait() gives the received blocks."""
         return self._start(collectives.alltoall, "ialltoall", x, out, algorithm)
 
-    def igather(self, x, root=0, out=None, algorithm=None, counts=None):
+    def igather(self, x, root=0, out=None, algorithm=None, counts=None, declared=False):
         """Non-blocking gather: a Request; wait() gives the rows on root, None elsewhere."""
-        return self._start(collectives.gather, "igather", x, root, out, algorithm, counts)
+        return self._start(collectives.gather, "igather", x, root, out, algorithm, counts,
+                           declared)
 
-    def iscatter(self, x, root=0, counts=None, out=None, algorithm=None):
+    def iscatter(self, x, root=0, counts=None, out=None, algorithm=None, declared=False):
         """Non-blocking scatter: a Request; wait() gives this rank's block."""
-        return self._start(collectives.scatter, "iscatter", x, root, counts, out, algorithm)
+        return self._start(collectives.scatter, "iscatter", x, root, counts, out, algorithm,
+                           declared)
 
     def iscan(self, x, op="sum", out=None, algorithm=None):
         """Non-blocking scan: a Request; wait() gives this rank's prefix."""

@@ -866,8 +866,12 @@ class MPICompat:
             copy = (send, own)
         else:
             send = self._moved(sendbuf, "sendbuf")[0]
+        if not vector and rank != root:  # MPI_Gather: every block is the size of this one's
+            counts = [send.size] * p
+        # declared (the count exchange once per distinct call): MPI_Gather's counts are
+        # known on every rank; MPI_Gatherv's only on root
         return self._call(blocking, "gather", send, root=root, out=recv, counts=counts,
-                          finish=place, copy=copy)
+                          finish=place, copy=copy, declared=not vector)
 
     @_passes_through("Gather")
     def Gather(self, sendbuf, recvbuf, root=0):
@@ -899,8 +903,12 @@ class MPICompat:
                 recv = array_module(send).empty(counts[root], np.uint8)
         else:
             recv, unpack = self._moved(recvbuf, "recvbuf", write=True)
+        if not vector and rank != root:  # MPI_Scatter: every block is the size of this one's
+            counts = [recv.size] * p
+        # declared (the agreement once per distinct call): MPI_Scatter's counts are known on
+        # every rank; MPI_Scatterv's only on root
         return self._call(blocking, "scatter", send, root=root, counts=counts, out=recv,
-                          finish=unpack)
+                          finish=unpack, declared=not vector)
 
     @_passes_through("Scatter")
     def Scatter(self, sendbuf, recvbuf, root=0):
@@ -929,8 +937,10 @@ class MPICompat:
             copy = (send, own)
         else:
             send = self._moved(sendbuf, "sendbuf")[0]
+        # declared (the count exchange once per distinct call): MPI gives every rank the
+        # counts of MPI_Allgather and MPI_Allgatherv alike
         return self._call(blocking, "allgather", send, out=recv, counts=counts,
-                          finish=_then(place, unpack), copy=copy)
+                          finish=_then(place, unpack), copy=copy, declared=True)
 
     @_passes_through("Allgather")
     def Allgather(self, sendbuf, recvbuf):

@@ -10,6 +10,10 @@ from .cache import BoundedCache
 from .errors import CommunicatorClosedError, where
 from .sides import Sides
 
+#: distinct declared calls (collective, counts, dtype and row shape, root) a communicator
+#: keeps agreed; one more costs a count exchange again for the oldest
+DECLARED_LIMIT = 64
+
 
 class Group:
     """What a collective's plan may use of its communicator (see the module doc)."""
@@ -23,6 +27,9 @@ class Group:
         self.progress = transport.progress  # the running collective, for errors and watchdog
         self.choices = BoundedCache()  # auto's picks: (nbytes, inplace) or ("inner", nbytes)
         self.slots = {}  # collective -> bytes of rows that ride with its counts (allgather.Rows)
+        # calls whose counts every rank declared and all agreed on once (allgather.declared):
+        # filled and evicted alike on every rank, since each insertion follows an exchange
+        self.declared = BoundedCache(DECLARED_LIMIT)
         self.closed = False
 
     @property

@@ -189,6 +189,12 @@ def fields(g, side, op=None, x=None, **more):
     return found
 
 
+def declared_field(declared):
+    """debug mode's field for a declared call (allgather.Rows): present only when it is, so a
+    rank that declares where another does not is named."""
+    return {"declared": True} if declared else {}
+
+
 def dtype_key(dtype):
     """dtype as debug mode's fingerprint compares it: its name ('float32', 'str96'), or for a
     structured dtype, whose name ('void128') every struct of that size shares, its fields

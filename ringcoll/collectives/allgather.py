@@ -3,7 +3,10 @@
 Ranks may pass different lengths on axis 0: the row counts (and a check that dtypes,
 trailing shapes, out= and any counts= agree) travel first in a small all-gather of META
 numbers per rank (Rows), then the data; a repeated call's small rows ride with them (no second
-step). The ringcoll algorithm is the ring's all-gather half
+step). With declared=True (every rank passes it, with the same counts=, as MPI_Allgatherv's
+recvcounts are given on every rank), the exchange runs once per distinct call: once all ranks
+have agreed on those counts, dtype and row shape, the same call again sends only the data, as
+MPI_Allgatherv does (see Rows). The ringcoll algorithm is the ring's all-gather half
 (algorithms/ring.py: p-1 steps, (p-1)a + (p-1)/p n b for n the gathered bytes); "node" the
 node tier's (algorithms/node.py: each rank copies the blocks it lacks from the others' shared
 memory; the default for CuPy arrays on one node); "native" is MPI_Allgatherv.
@@ -31,10 +34,10 @@ ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 BUFFERS = (0, 1)
 
 
-def plan(g, ctx, x, out, algorithm, counts=None):
+def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
     given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
-    counts = expected_counts(g, counts, ctx)
+    counts = expected_counts(g, counts, ctx, declared)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
     # (an out= that x lives in, as FSDP's all_gather_into_tensor passes, stays ringcoll's:
     # MPI forbids aliased buffers)
@@ -49,13 +52,20 @@ def plan(g, ctx, x, out, algorithm, counts=None):
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
     native_counts = name == "native" or (measured and hasattr(g.t, "native_allgather"))
-    exchange = Rows(g, x, out, "native" if native_counts else "ring", expect=counts, src=src)
+    exchange = Rows(g, x, out, "native" if native_counts else "ring", expect=counts, src=src,
+                    host=side.device is None, declared=declared)
     target = Target(out, x, ctx, side)
     row_bytes = _args.row_elems(x) * x.dtype.itemsize
     chosen = [None, name]  # auto's pick for the last counts seen (a repeat keeps the list)
+    problem = declared_problem(ctx, x, out, counts, g.rank)
 
     def run():
-        got, carried = exchange()  # host numbers, over the host transport
+        if exchange.agreed():  # counts declared by every rank and agreed on before
+            if problem is not None:
+                raise InvalidArgumentError(problem)  # (the others are sending: abort)
+            got, carried = counts, False
+        else:
+            got, carried = exchange()  # host numbers, over the host transport
         part, result, dst, copy_to = target(got)
         if measured and got is not chosen[0]:
             chosen[:] = got, _args.pick_simple(None, ALGORITHMS, ctx, g, side,
@@ -71,15 +81,20 @@ def plan(g, ctx, x, out, algorithm, counts=None):
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
-    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
+    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]),
+                          **_args.declared_field(declared))
     return Plan(NAME, "auto" if measured else name, fields, _args.on_side(run, side),
                 repeatable=x is given and out is not None)
 
 
-def expected_counts(g, counts, ctx):
+def expected_counts(g, counts, ctx, declared=False):
     """counts= (the rows a rank expects from every rank) as a list, checked locally; None
-    stays None."""
+    stays None (refused with declared=True, which promises counts)."""
     if counts is None:
+        if declared:
+            raise InvalidArgumentError(f"{ctx}declared=True needs counts= (every rank's rows, "
+                                       "the same list on every rank); pass counts or leave "
+                                       "declared out")
         return None
     try:
         counts = [int(c) for c in counts]
@@ -90,6 +105,22 @@ def expected_counts(g, counts, ctx):
         raise InvalidArgumentError(f"{ctx}counts={counts} must be {g.size} non-negative row "
                                    "counts, one per rank")
     return counts
+
+
+def declared_problem(ctx, x, out, counts, rank):
+    """Why this rank's own x or out contradicts its counts= (None if it does not, or if there
+    are no counts). Checked only when the call skips its exchange (Rows.agreed): the
+    exchange would make every rank raise it alike; without one the others are already
+    moving data, so it ends the job with this message."""
+    if counts is None:
+        return None
+    if x.shape[0] != counts[rank]:
+        return (f"{ctx}x has {x.shape[0]} rows, but counts[{rank}] = {counts[rank]}; pass "
+                "the counts the ranks send (every rank the same list)")
+    if out is not None and out.shape[0] != sum(counts):
+        return (f"{ctx}out has shape {out.shape}, but counts adds up to {sum(counts)} rows; "
+                f"pass out of shape {(sum(counts),) + x.shape[1:]} or out=None")
+    return None
 
 
 def _crc(counts):
@@ -126,7 +157,9 @@ class Target:
 
 #: bytes of a rank's rows that may ride in its slot of the count exchange (see Rows)
 SLOT_MAX = 8192
-META = 7  # numbers per rank: rows, row elements, ndim, layout crc, out rows, counts crc, carried
+#: numbers per rank: rows, row elements, ndim, layout crc, out rows, counts crc, carried,
+#: and bits: its rows are host memory (1), it declared its counts (2)
+META = 8
 
 
 class Rows:
@@ -152,15 +185,29 @@ class Rows:
     Built once per plan, so a repeated call (runner.Repeat) only exchanges: this rank's
     numbers are computed here, and when every rank's numbers come back as they were last
     time, the counts judged then are returned again (the very same list) unjudged.
+
+    Declared counts: when every rank passed declared=True (with counts=) and the exchange
+    found them right, each rank records the call's signature (collective, counts, dtype and row shape, whether its
+    rows are host memory, and `key`: gather's root) in g.declared, with whether every rank's
+    rows are host memory (then MPI's own calls may move them). A later
+    call of that signature skips the exchange (agreed() says so; the caller then uses its
+    counts). Every rank decides alike, since each records after the same exchanges and
+    evicts the same oldest entry: what a rank that passed other arguments than the others
+    would break is documented in docs/errors.md. Debug mode never skips (it checks every call).
     """
 
-    def __init__(self, g, x, out, name, collective=NAME, expect=None, src=None):
+    def __init__(self, g, x, out, name, collective=NAME, expect=None, src=None, key=(),
+                 host=True, declared=False):
         self.g, self.x, self.out, self.name = g, x, out, name
         self.collective, self.expect = collective, expect
         layout = _args.layout(x.dtype, x.shape[1:])
         out_rows = -1 if out is None else out.shape[0]
         self.numbers = [x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
-                        -1 if expect is None else _crc(expect), 0]
+                        -1 if expect is None else _crc(expect), 0,
+                        bool(host) + 2 * bool(declared)]
+        self.signature = None if not declared or g.options.debug else \
+            (collective, tuple(expect), layout, bool(host)) + tuple(key)
+        self.everyone = None  # the judged exchange's verdict: all declared, all host memory?
         self.src = None if src is None or not isinstance(src, np.ndarray) else \
             src.view(np.uint8)
         self.row_bytes = _args.row_elems(x) * x.dtype.itemsize
@@ -205,9 +252,22 @@ class Rows:
                 sizes = [c * self.row_bytes for c in self.got]
                 self.offsets = np.cumsum([0] + sizes).tolist()
                 self.next_slot = -(-max(sizes) // 8) * 8 if max(sizes) <= SLOT_MAX else 0
+                self.everyone = (bool((meta[:, 7] & 2).all()), bool((meta[:, 7] & 1).all()))
             self.seen, self.carried = headers, bool(meta[:, 6].all())
         g.slots[self.collective] = self.next_slot  # the same on every rank: all saw got
+        if self.signature is not None and self.everyone[0]:
+            g.declared[self.signature] = self.everyone[1]
         return self.got, self.carried
+
+    def agreed(self):
+        """May this call skip the exchange? True when every rank declared its counts and an
+        earlier exchange of the same signature found them right (see the class doc)."""
+        return self.signature is not None and self.signature in self.g.declared
+
+    def host(self):
+        """Are every rank's rows host memory? (Only after agreed() said True: what the
+        exchange that agreed this signature found.)"""
+        return self.g.declared[self.signature]
 
     def unpack(self, dst):
         """Copy the rows that came in the slots into dst (flat, the result's bytes in rank

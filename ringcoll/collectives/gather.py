@@ -7,26 +7,39 @@ when they do not; under auto they go by MPI's own all-gather where the transport
 the small rows of a repeated call ride with them (then there is no second step). The data
 then goes up the binomial tree (algorithms/tree.py gather: broadcast's shape with the data
 flowing towards the root): ceil(log2 p) a + (p-1)/p n b at the root for n gathered bytes,
-plus the counts' exchange, (p-1) a by ringcoll's ring."""
+plus the counts' exchange, (p-1) a by ringcoll's ring.
+
+With declared=True on every rank, every rank passes counts= (root's expectations, which the
+others then declare too, as wrap()'s Gather does: MPI_Gather's counts are all the same), and
+the exchange runs once per distinct call (allgather.Rows: declared counts); the same call
+again sends only the data. Under
+auto, equal blocks of at most NATIVE_MAX bytes in host memory then go by MPI_Gather itself,
+one C call (the sweep, bench/README.md: MPICH's gather is faster than the tree up to 128 KiB
+blocks at -n 2 and -n 4, the tree faster from 2 MiB at -n 4).
+"""
 
 from ..algorithms import COLLECTIVE_ALGORITHMS, tree
+from ..errors import InvalidArgumentError
 from ..runner import Plan
 from . import _args
-from .allgather import Rows, Target, expected_counts
+from .allgather import Rows, Target, declared_problem, expected_counts
 
 NAME = "gather"
 ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
+#: the largest block (bytes) a declared, equal-count gather sends by MPI's own call under auto
+NATIVE_MAX = 65536
 
 
-def plan(g, ctx, x, root, out, algorithm, counts=None):
+def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
     _args.check_root(g, root, ctx)
     _args.pick_simple(algorithm, ALGORITHMS, ctx)
     is_root = g.rank == root
-    expect = expected_counts(g, counts, ctx) if is_root else None  # as MPI's recvcounts
+    # root's counts are MPI's recvcounts; the others' count only when declared
+    expect = expected_counts(g, counts, ctx, declared) if is_root or declared else None
     out = out if is_root else None  # as MPI's recvbuf, out matters on root only
     if out is not None:  # all but its row count can be checked now; that comes later
         rows_out = out.shape[0] if getattr(out, "ndim", 0) else -1
@@ -35,22 +48,39 @@ def plan(g, ctx, x, root, out, algorithm, counts=None):
     # the counts (and small rows with them) by MPI's own all-gather under auto where the
     # transport has it: one C call instead of a Python ring (explicit 'tree': ringcoll's ring)
     mpi = algorithm in (None, "auto") and hasattr(g.t, "native_allgather")
+    host = side.device is None
     exchange = Rows(g, x, out, "native" if mpi else "ring", collective=NAME, expect=expect,
-                    src=src)
+                    src=src, key=(int(root),), host=host, declared=declared)
     target = Target(out, x, ctx, side, wanted=is_root)
+    problem = declared_problem(ctx, x, out, expect, g.rank)
+    # MPI_Gather for a declared call's small equal blocks, where every rank's are host memory
+    # (the same on every rank: expect, x's row bytes and the agreed host() are)
+    block = None if expect is None else expect[0] * _args.row_elems(x) * x.dtype.itemsize
+    native = mpi and expect is not None and len(set(expect)) == 1 and block <= NATIVE_MAX
+    # (MPI forbids a send buffer inside the receive buffer: root's x viewed in out is copied)
+    aliased = out is not None and side.xp.may_share_memory(x, out)
 
     def run():
-        counts, carried = exchange()  # host numbers
+        direct = exchange.agreed()  # counts declared by every rank and agreed on before
+        if direct:
+            if problem is not None:
+                raise InvalidArgumentError(problem)  # (the others are sending: abort)
+            counts, carried = expect, False
+        else:
+            counts, carried = exchange()  # host numbers
         part, result, dst, copy_to = target(counts)
-        if not carried:
+        if carried:  # every rank's rows came with the counts (small rows, repeated)
+            if is_root:
+                exchange.unpack(dst)
+        elif direct and native and exchange.host():
+            g.t.native_gather(src.copy() if aliased else src, dst, root)
+        else:
             tree.gather(side.t, src, dst, part, root, side.ws)
-        elif is_root:  # every rank's rows came with the counts (small rows, repeated)
-            exchange.unpack(dst)
         _args.copy_rows(dst, copy_to)
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
     fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]),
-                          root=int(root))
+                          root=int(root), **_args.declared_field(declared))
     return Plan(NAME, "tree", fields, _args.on_side(run, side),
                 repeatable=x is given and (out is not None or not is_root))

@@ -25,11 +25,23 @@ says so in the header, and each rank copies its block out. A repeated small scat
 two steps of the agreement, not three. Root judges the records again only when they differ
 from the last ones, and every rank reads the header anew only when it differs from the last.
 
+Declared counts: with declared=True on every rank, every rank passes counts= (root's, which
+the others then declare too, as wrap()'s Scatter does: MPI_Scatter's counts are all the same)
+and every non-root out=; each record carries a fingerprint of its counts, root checks them
+against its own, and the header says whether every rank declared (and whether every rank's
+memory is host memory).
+Then every rank records the call's signature (counts, dtype and row shape, memory kind, root)
+in g.declared, as allgather.Rows does, and the same call again skips steps 1 and 2: only the
+data moves, as in MPI_Scatterv. Under auto, equal blocks of at most NATIVE_MAX bytes in host
+memory then go by MPI_Scatter itself (faster than the tree below 128 KiB blocks in the sweep
+of bench/README.md at -n 2 and -n 4).
+
 Cost: 2 ceil(log2 p) a for the agreement, plus ceil(log2 p) a + (n - c_root) b at the root
 for n scattered bytes ((p-1)/p n b for even blocks): root sends every other block once.
 """
 
 import operator
+import zlib
 
 import numpy as np
 
@@ -45,16 +57,20 @@ ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 3)
 
-RECORD = 3  # a rank's out= as root sees it: (has out, its rows, crc of dtype + row shape)
+#: a rank's record as root sees it: (has out, its rows, crc of dtype + row shape, crc of its
+#: declared counts or -1, bits: its block is host memory (1), it declared (2))
+RECORD = 5
+#: the largest block (bytes) a declared, equal-count scatter sends by MPI's own call under auto
+NATIVE_MAX = 65536
 SLOTS = 8  # trailing dimensions the header carries; rows of more need out= on non-roots
 CARRY_MAX = 16384  # bytes of blocks (p slots) that may ride in the header (see the module doc)
 NAME_BYTES = 16  # root's dtype, spelled as np.dtype() reads it back
 
 # verdicts, one per rank in the header
-OK, ROWS, LAYOUT, NEEDS_OUT, BAD_COUNTS, OVERLAP = range(6)
+OK, ROWS, LAYOUT, NEEDS_OUT, BAD_COUNTS, OVERLAP, OTHER_COUNTS = range(7)
 
 
-def plan(g, ctx, x, root, counts, out, algorithm):
+def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     _args.check_root(g, root, ctx)
     _args.pick_simple(algorithm, ALGORITHMS, ctx)
     root, p = int(root), g.size
@@ -75,16 +91,37 @@ def plan(g, ctx, x, root, counts, out, algorithm):
             _args.output(out, (out.shape[0],) + x.shape[1:], x.dtype, ctx, side, rows=True)
         elif not writeable(out):
             raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
-    mine = np.array([out is not None, -1 if out is None else out.shape[0],
-                     0 if out is None else _args.layout(out.dtype, out.shape[1:])], dtype=np.int64)
-
+    layout = 0 if out is None else _args.layout(out.dtype, out.shape[1:])
     src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
     if g.rank == root:
         rows, (code, own) = _root_verdict(x, given, counts, out, p, root)
         src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
+        layout = _args.layout(x.dtype, x.shape[1:])
 
         def judge(meta):
             return _judge(meta, x, rows, code, p, root)
+
+    # declared counts (see the module doc): the signature, and what this rank's own
+    # arguments contradict in them, raised only when the call skips the agreement
+    host = side.device is None
+    sig = problem = crc = None
+    if declared:
+        if counts is None or (out is None and g.rank != root):
+            raise InvalidArgumentError(f"{ctx}declared=True needs counts= on every rank "
+                                       "(root's list) and out= on every rank but root; pass "
+                                       "them or leave declared out")
+        try:
+            listed = tuple(operator.index(c) for c in counts)
+        except TypeError:
+            raise InvalidArgumentError(f"{ctx}counts={counts!r} is not a sequence of ints") \
+                from None
+        crc = _crc(listed)
+        if not g.options.debug:  # (debug mode agrees on every call: it never skips)
+            sig = (NAME, listed, layout, host, root)
+            problem = own if g.rank == root else _block_problem(out, listed, g.rank, root)
+    mine = np.array([out is not None, -1 if out is None else out.shape[0], layout,
+                     -1 if crc is None else crc, host + 2 * bool(declared)], dtype=np.int64)
+    direct = _direct(g, side, sig, x, out, src, root, algorithm)
 
     words = _header_size(p)
     # the agreement by MPI's own gather and broadcast under auto where the transport has
@@ -94,15 +131,22 @@ def plan(g, ctx, x, root, counts, out, algorithm):
     last = [None, None, None]  # the header's numbers last read, what they gave, out's targets
 
     def run():
+        if sig is not None and sig in g.declared:  # declared and agreed on before
+            if problem is not None:
+                raise InvalidArgumentError(f"{ctx}{problem}")  # (the others move data: abort)
+            return direct(g.declared[sig])
         header, carried = agree()
         numbers = header[:words].tobytes()
         if numbers != last[0]:
             verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
             if verdicts.any():
                 g.slots[NAME] = 0  # every rank refuses alike, and starts again from 0
-                ctx = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7 (tree)"
-                raise _refusal(header, p, g.rank, root, out, own, ctx)
+                ctx_now = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7"
+                raise _refusal(header, p, g.rank, root, out, own, ctx_now)
             last[:] = numbers, _reading(header, p, g.rank, root, x, out, side), None
+        everyone = int(header[words - 2])  # bit 0: all declared; bit 1: all host memory
+        if sig is not None and everyone & 1:
+            g.declared[sig] = bool(everyone & 2)
         block, dtype, part, next_slot = last[1]
         if last[2] is not None:  # out= again, for the same header: its targets as last time
             result, dst, copy_to = last[2]
@@ -122,16 +166,67 @@ def plan(g, ctx, x, root, counts, out, algorithm):
 
     # only root knows dtype, shape and counts: the fingerprint has root alone; where the
     # blocks live may differ too (a GPU root, host non-roots), so no memory field either
-    fields = _args.fields(g, None, root=root)
+    fields = _args.fields(g, None, root=root, **_args.declared_field(declared))
     # a repeat needs root's src to be x itself (not a copy) and every result the caller's out
     repeatable = out is not None and (g.rank != root or x is given)
     return Plan(NAME, "tree", fields, _args.on_side(run, side), repeatable=repeatable)
 
 
 def _header_size(p):
-    """int64 numbers in root's header: _parts' (2 p + 4 + SLOTS), then root's itemsize and
-    whether the blocks ride in it (the slots that follow)."""
-    return 2 * p + 6 + SLOTS
+    """int64 numbers in root's header: _parts' (2 p + 4 + SLOTS), then root's itemsize,
+    whether every rank declared its counts (bit 0) and has host memory (bit 1), and whether
+    the blocks ride in it (the slots that follow)."""
+    return 2 * p + 7 + SLOTS
+
+
+def _crc(counts):
+    """A fingerprint of a declared counts list (never -1, which means "none declared")."""
+    return zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
+
+
+def _block_problem(out, counts, rank, root):
+    """Why a non-root's out= contradicts its declared counts (None if it does not)."""
+    if len(counts) <= rank:
+        return f"counts={list(counts)} has no entry for this rank; pass root {root}'s counts"
+    if out.shape[0] != counts[rank]:
+        return (f"out has shape {out.shape}, but counts[{rank}] = {counts[rank]}; pass root "
+                f"{root}'s counts and out of that many rows")
+    return None
+
+
+def _direct(g, side, sig, x, out, src, root, algorithm):
+    """The data step alone, for a declared call every rank agreed on before: a function of
+    the agreed "all host memory" that moves this rank's block and returns the result. Equal
+    blocks of at most NATIVE_MAX bytes go by MPI_Scatter under auto where the transport has
+    it and all are host memory (the same on every rank: the signature and that flag are)."""
+    if sig is None:
+        return None
+    counts, rank = sig[1], g.rank
+    if len(counts) != g.size or min(counts, default=0) < 0:
+        return None  # (a bad list: the agreement refuses it, so it is never agreed)
+    rows = x if rank == root else out
+    item, row_elems = rows.dtype.itemsize, _args.row_elems(rows)
+    part = Partition([c * row_elems for c in counts])
+    native = (algorithm in (None, "auto") and hasattr(g.t, "native_scatter")
+              and len(set(counts)) == 1 and counts[0] * row_elems * item <= NATIVE_MAX)
+    in_place = rank == root and out is not None and side.xp.may_share_memory(x, out)
+    targets = None if out is None else _args.rows_target(out)
+
+    def direct(all_host):
+        if targets is None:  # root without out: a new block each call
+            result = side.xp.empty((counts[rank],) + x.shape[1:], x.dtype)
+            dst, copy_to = _args.rows_target(result)
+        else:
+            result, (dst, copy_to) = out, targets
+        dst = _args.raw(dst)
+        if native and all_host:  # root's own block in x stays where it is (MPI_IN_PLACE)
+            g.t.native_scatter(src, None if in_place else dst, root)
+        else:
+            tree.scatter(side.t, src, dst, part, root, side.ws)
+        _args.copy_rows(dst, copy_to)
+        return result
+
+    return direct
 
 
 def _reading(header, p, rank, root, x, out, side):
@@ -204,7 +299,7 @@ class Agreement:
         verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
         if slot == 0 or self.src is None or verdicts.any():
             return None
-        item = int(header[words - 2])
+        item = int(header[2 * p + 4 + SLOTS])
         sizes = [int(r) * int(row_elems) * item for r in rows]
         if max(sizes) > slot:
             return None
@@ -316,11 +411,14 @@ def _judge(meta, x, rows, own, p, root):
     if rows is not None:  # with bad counts, no other rank's out can be judged
         counts[:] = rows
         layout = _args.layout(x.dtype, trail)
+        declared = _crc(rows)
         for r in range(p):
-            has_out, out_rows, out_layout = meta[r]
+            has_out, out_rows, out_layout, counts_crc, _ = meta[r]
             if r == root:
                 continue
-            if has_out and out_layout != layout:
+            if counts_crc not in (-1, declared):
+                verdicts[r] = OTHER_COUNTS
+            elif has_out and out_layout != layout:
                 verdicts[r] = LAYOUT
             elif has_out and out_rows != rows[r]:
                 verdicts[r] = ROWS
@@ -328,6 +426,7 @@ def _judge(meta, x, rows, own, p, root):
                 verdicts[r] = NEEDS_OUT
     sizes[:] = _args.row_elems(x), len(trail)
     header[2 * p + 4 + SLOTS] = x.dtype.itemsize
+    header[2 * p + 5 + SLOTS] = (meta[:, 4] & 2).all() + 2 * (meta[:, 4] & 1).all()
     if spelled is not None:
         name[:] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
     if len(trail) <= SLOTS:
@@ -364,6 +463,10 @@ def _refusal(header, p, rank, root, out, own, ctx):
             f"{ctx}out has shape {out.shape}, but this rank's block has {want} rows (root "
             f"{root}'s counts: {[int(c) for c in counts]}); pass out of shape "
             f"{(want,) + out.shape[1:]} or out=None"))
+    if mine == OTHER_COUNTS:
+        return checks.agreed(InvalidArgumentError(
+            f"{ctx}counts differ from root {root}'s ({[int(c) for c in counts]}); pass root's "
+            "counts, or counts=None on this rank"))
     if mine == NEEDS_OUT:
         why = ("a dtype np.dtype() cannot rebuild from its name (structured?)" if dtype is None
                else f"rows of {int(ndim)} trailing dimensions (over {SLOTS})")
@@ -374,7 +477,8 @@ def _refusal(header, p, rank, root, out, own, ctx):
             LAYOUT: f"passed out= whose dtype or row shape differs from root {root}'s x",
             NEEDS_OUT: "need out= (root's dtype or row shape cannot be described to them)",
             BAD_COUNTS: "passed an invalid counts list",
-            OVERLAP: "passed out= overlapping x without being root's own block"}
+            OVERLAP: "passed out= overlapping x without being root's own block",
+            OTHER_COUNTS: f"passed counts= other than root {root}'s"}
     why = "; ".join(f"rank(s) {[r for r in range(p) if verdict[r] == code]} {text}"
                     for code, text in said.items() if code in verdict)
     return checks.agreed(PeerFailedError(

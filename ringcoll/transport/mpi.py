@@ -303,6 +303,15 @@ class MPITransport(Transport):
         """MPI_Gather of equal blocks as bytes; recvbuf matters on root only (None elsewhere)."""
         self.comm.Gather([sendbuf, BYTE], None if recvbuf is None else [recvbuf, BYTE], root)
 
+    def native_scatter(self, sendbuf, recvbuf, root):
+        """MPI_Scatter of equal blocks as bytes; sendbuf matters on root only, where a
+        recvbuf of None means in place (root's block stays in sendbuf)."""
+        if recvbuf is None:
+            self.comm.Scatter([sendbuf, BYTE], MPI.IN_PLACE, root)
+        else:
+            self.comm.Scatter(None if sendbuf is None else [sendbuf, BYTE], [recvbuf, BYTE],
+                              root)
+
     def native_bcast(self, buf, root):
         self.bind_native_bcast(buf, root)()
 
