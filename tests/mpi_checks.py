@@ -45,7 +45,7 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
           "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
           "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
-          "alltoallv", "scan", "dtypes", "compat_repeat"]
+          "alltoallv", "scan", "dtypes", "compat_repeat", "declared"]
 
 
 class Checker:
@@ -1303,6 +1303,58 @@ def check_compat_collectives(comms, light):
     c.Free()
 
 
+def check_declared(comms, light):
+    """allgather, gather and scatter with declared=True (the count exchange once per distinct
+    call, then the data alone: MPI_Gather / MPI_Scatter for equal small blocks) against
+    mpi4py's own calls of the same bytes, on every rank, each call made three times with new
+    values: equal blocks below and above the native limit, uneven counts with zeros, a
+    padded struct, every root (light: three), root's out in place (scatter) and x viewed in
+    root's out (gather)."""
+    from ringcoll.collectives import gather as gather_mod
+
+    comm = comms["world"]
+    roots = sorted({0, P - 1, P // 2}) if light else range(P)
+    rec = np.dtype([("a", np.int8), ("b", np.float64)])
+    big_rows = gather_mod.NATIVE_MAX // 8 + 3  # float64 rows past the native limit
+    cases = [([3] * P, np.dtype(np.float64), "equal"),
+             ([big_rows] * P, np.dtype(np.float64), "equal, past NATIVE_MAX"),
+             ([(r * 7 + 3) % 4 for r in range(P)], np.dtype(np.int32), "uneven"),
+             ([2] * P, rec, "struct")]
+    for counts, dtype, what in cases:
+        total, lo = sum(counts), sum(counts[:RANK])
+        for root in roots:
+            y, blk = np.zeros(total, dtype), np.zeros(counts[RANK], dtype)
+            whole_root = np.zeros(total, dtype)  # gather: x viewed in root's out
+            for k in range(3):
+                label = f"declared {what} root={root} call {k}"
+                x = O.make_input(47_000 + k, RANK, (counts[RANK],), dtype) if dtype != rec \
+                    else np.zeros(counts[RANK], rec)
+                if dtype == rec:
+                    x["a"], x["b"] = RANK + k, np.arange(counts[RANK]) + 0.5 * k
+                parts = WORLD.allgather(x)
+                whole = np.concatenate(parts)
+                got = CK.attempt(label + " allgather", lambda: comm.allgather(
+                    x, out=y, counts=counts, declared=True))
+                CK.check(got is y and _raw_bytes(y) == _raw_bytes(whole),
+                         f"{label}: allgather wrong")
+                if RANK == root and k == 2:  # root's x inside its out (aliased)
+                    whole_root[lo:lo + counts[RANK]] = x
+                    send, out = whole_root[lo:lo + counts[RANK]], whole_root
+                else:
+                    send, out = x, (y if RANK == root else None)
+                got = CK.attempt(label + " gather", lambda: comm.gather(
+                    send, root=root, out=out, counts=counts, declared=True))
+                CK.check((got is None) if RANK != root else
+                         (got is out and _raw_bytes(got) == _raw_bytes(whole)),
+                         f"{label}: gather wrong")
+                src = whole.copy() if RANK == root else None
+                mine = src[lo:lo + counts[RANK]] if RANK == root and k == 1 else blk  # in place
+                got = CK.attempt(label + " scatter", lambda: comm.scatter(
+                    src, root=root, counts=counts, out=mine, declared=True))
+                CK.check(got is mine and _raw_bytes(got) == _raw_bytes(parts[RANK]),
+                         f"{label}: scatter wrong")
+
+
 def check_trace(comms, light):
     """comm.trace() over MPI: results unchanged, each rank records only its own traffic, and
     Trace.gather matches every message with its receive (tests/test_trace.py checks the byte
@@ -1458,6 +1510,7 @@ def main():
         "scan": lambda: check_scan(comms, args.light),
         "dtypes": lambda: check_dtypes(comms, args.light),
         "compat_repeat": lambda: check_compat_repeat(comms, args.light),
+        "declared": lambda: check_declared(comms, args.light),
     }
     times = {}
     for group in groups:

@@ -58,6 +58,7 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
     row_bytes = _args.row_elems(x) * x.dtype.itemsize
     chosen = [None, name]  # auto's pick for the last counts seen (a repeat keeps the list)
     problem = declared_problem(ctx, x, out, counts, g.rank)
+    bound = [None, None, None]  # MPI's all-gather bound to (these counts, this dst)
 
     def run():
         if exchange.agreed():  # counts declared by every rank and agreed on before
@@ -73,7 +74,10 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
         if carried:  # every rank's rows came with the counts
             exchange.unpack(dst)
         elif chosen[1] == "native":
-            side.t.native_allgather(src, dst, part.counts)
+            if bound[0] is not got or bound[1] is not dst:
+                bound[:] = got, dst, native.bind(side.t, "native_allgather", src, dst,
+                                                 part.counts)
+            bound[2]()
         else:
             dst[part.slices[g.rank]] = src
             (node if chosen[1] == "node" else ring).allgather(side.t, dst, part, side.ws)

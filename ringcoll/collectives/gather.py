@@ -18,7 +18,7 @@ one C call (the sweep, bench/README.md: MPICH's gather is faster than the tree u
 blocks at -n 2 and -n 4, the tree faster from 2 MiB at -n 4).
 """
 
-from ..algorithms import COLLECTIVE_ALGORITHMS, tree
+from ..algorithms import COLLECTIVE_ALGORITHMS, native as native_calls, tree
 from ..errors import InvalidArgumentError
 from ..runner import Plan
 from . import _args
@@ -59,6 +59,7 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     native = mpi and expect is not None and len(set(expect)) == 1 and block <= NATIVE_MAX
     # (MPI forbids a send buffer inside the receive buffer: root's x viewed in out is copied)
     aliased = out is not None and side.xp.may_share_memory(x, out)
+    bound = [(), None]  # MPI_Gather bound to this dst (None on non-roots; never ())
 
     def run():
         direct = exchange.agreed()  # counts declared by every rank and agreed on before
@@ -73,7 +74,12 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
             if is_root:
                 exchange.unpack(dst)
         elif direct and native and exchange.host():
-            g.t.native_gather(src.copy() if aliased else src, dst, root)
+            if aliased:
+                g.t.native_gather(src.copy(), dst, root)
+            else:
+                if bound[0] is not dst:
+                    bound[:] = dst, native_calls.bind(g.t, "native_gather", src, dst, root)
+                bound[1]()
         else:
             tree.gather(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)

@@ -46,7 +46,7 @@ import zlib
 import numpy as np
 
 from .. import checks
-from ..algorithms import COLLECTIVE_ALGORITHMS, tree
+from ..algorithms import COLLECTIVE_ALGORITHMS, native as native_calls, tree
 from ..arrays import Partition, array_module, is_device, writeable
 from ..errors import CollectiveMismatchError, InvalidArgumentError, PeerFailedError
 from ..runner import Plan
@@ -210,17 +210,24 @@ def _direct(g, side, sig, x, out, src, root, algorithm):
     native = (algorithm in (None, "auto") and hasattr(g.t, "native_scatter")
               and len(set(counts)) == 1 and counts[0] * row_elems * item <= NATIVE_MAX)
     in_place = rank == root and out is not None and side.xp.may_share_memory(x, out)
-    targets = None if out is None else _args.rows_target(out)
+    targets = None  # out's (flat raw buffer, array to copy that into or None), made once
+    if out is not None:
+        flat, copy_to = _args.rows_target(out)
+        targets = _args.raw(flat), copy_to
+    bound = [None, None]  # MPI_Scatter bound to this dst
 
     def direct(all_host):
         if targets is None:  # root without out: a new block each call
             result = side.xp.empty((counts[rank],) + x.shape[1:], x.dtype)
             dst, copy_to = _args.rows_target(result)
+            dst = _args.raw(dst)
         else:
             result, (dst, copy_to) = out, targets
-        dst = _args.raw(dst)
         if native and all_host:  # root's own block in x stays where it is (MPI_IN_PLACE)
-            g.t.native_scatter(src, None if in_place else dst, root)
+            if bound[0] is not dst:
+                bound[:] = dst, native_calls.bind(g.t, "native_scatter", src,
+                                                  None if in_place else dst, root)
+            bound[1]()
         else:
             tree.scatter(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)

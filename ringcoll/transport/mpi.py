@@ -293,24 +293,32 @@ class MPITransport(Transport):
     # an MPI datatype from a buffer's format and has none for str, bytes, void, structured,
     # datetime64 or bfloat16 buffers, while a copy needs no datatype. counts are in elements.
     def native_allgather(self, sendbuf, recvbuf, counts):
+        self.bind_native_allgather(sendbuf, recvbuf, counts)()
+
+    def bind_native_allgather(self, sendbuf, recvbuf, counts):
         if all(c == counts[0] for c in counts):  # MPICH's Allgatherv is far slower here
-            self.comm.Allgather([sendbuf, BYTE], [recvbuf, BYTE])
-        else:
-            nbytes = [c * recvbuf.itemsize for c in counts]
-            self.comm.Allgatherv([sendbuf, BYTE], [recvbuf, nbytes, BYTE])
+            return partial(self.comm.Allgather, [sendbuf, BYTE], [recvbuf, BYTE])
+        nbytes = [c * recvbuf.itemsize for c in counts]
+        return partial(self.comm.Allgatherv, [sendbuf, BYTE], [recvbuf, nbytes, BYTE])
 
     def native_gather(self, sendbuf, recvbuf, root):
         """MPI_Gather of equal blocks as bytes; recvbuf matters on root only (None elsewhere)."""
-        self.comm.Gather([sendbuf, BYTE], None if recvbuf is None else [recvbuf, BYTE], root)
+        self.bind_native_gather(sendbuf, recvbuf, root)()
+
+    def bind_native_gather(self, sendbuf, recvbuf, root):
+        return partial(self.comm.Gather, [sendbuf, BYTE],
+                       None if recvbuf is None else [recvbuf, BYTE], root)
 
     def native_scatter(self, sendbuf, recvbuf, root):
         """MPI_Scatter of equal blocks as bytes; sendbuf matters on root only, where a
         recvbuf of None means in place (root's block stays in sendbuf)."""
+        self.bind_native_scatter(sendbuf, recvbuf, root)()
+
+    def bind_native_scatter(self, sendbuf, recvbuf, root):
         if recvbuf is None:
-            self.comm.Scatter([sendbuf, BYTE], MPI.IN_PLACE, root)
-        else:
-            self.comm.Scatter(None if sendbuf is None else [sendbuf, BYTE], [recvbuf, BYTE],
-                              root)
+            return partial(self.comm.Scatter, [sendbuf, BYTE], MPI.IN_PLACE, root)
+        return partial(self.comm.Scatter, None if sendbuf is None else [sendbuf, BYTE],
+                       [recvbuf, BYTE], root)
 
     def native_bcast(self, buf, root):
         self.bind_native_bcast(buf, root)()

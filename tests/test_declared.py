@@ -1,0 +1,193 @@
+"""Declared counts (allgather.Rows, scatter's agreement): allgather, gather and scatter with
+declared=True on every rank agree on counts, dtype and row shape once per distinct call, and
+the same call again moves only the data. These tests hold every declared call to NumPy's
+answer on every rank while counts, dtypes, roots and memory change between calls (declared
+and undeclared calls of the same counts mixed, other collectives in between, fresh arrays
+and repeated ones), check from the traced messages that a repeat does skip the exchange, and
+that wrong arguments are refused on every rank on the first call and end the job later."""
+
+import numpy as np
+import pytest
+
+import ringcoll
+from ringcoll.collectives.allgather import META
+
+from test_threads import expect_error_on_every_rank, per_rank
+
+TIMEOUT = 30
+REC = np.dtype([("a", np.int8), ("b", np.float64)])  # padded: its padding travels too
+
+
+def run(p, fn, **options):
+    return ringcoll.run_threads(p, fn, timeout=TIMEOUT, **options)
+
+
+def rows(rank, k, n, dtype):
+    """Rank `rank`'s n rows at call k, exact in every dtype used here."""
+    if dtype == REC:
+        x = np.zeros(n, REC)
+        x["a"], x["b"] = rank + k, np.arange(n) + 0.25 * rank
+        return x
+    return (np.arange(2 * n).reshape(n, 2) * (rank + 2) + 7 * k + rank).astype(dtype)
+
+
+def plans(p):
+    """Counts lists: even, zeros, uneven (p-1, p+1 rows), and each repeated."""
+    return [[2] * p, [2] * p, [0] * p, [r % 3 for r in range(p)], [r % 3 for r in range(p)],
+            [p - 1] * p, [p + 1 if r % 2 else 1 for r in range(p)], [2] * p]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_declared_calls_give_numpys_answer(p):
+    """Every call on every rank equals the concatenation (or root's split) of the ranks' rows,
+    however counts, dtype, root, declared and the arrays change between calls."""
+    def body(comm):
+        r, ok = comm.rank, []
+        keep = {}  # the same arrays for the same (counts, dtype): repeats
+        for k, counts in enumerate(plans(p)):
+            root = k % p
+            for dtype in (np.int64, REC):
+                every = [rows(q, k, counts[q], dtype) for q in range(p)]
+                whole = np.concatenate(every)
+                key = (tuple(counts), np.dtype(dtype).str, k % 2)
+                if key not in keep:
+                    keep[key] = (np.empty_like(every[r]), np.empty_like(whole),
+                                 np.empty_like(every[r]), np.empty_like(whole))
+                x, y, block, big = keep[key]
+                for i in range(3):  # declared twice (the second skips), then undeclared
+                    declared = i < 2
+                    x[...], big[...] = every[r], whole
+                    got = comm.allgather(x, out=y, counts=counts, declared=declared)
+                    ok.append(("allgather", k, i, got.tobytes() == whole.tobytes()))
+                    got = comm.gather(x, root=root, out=y if r == root else None,
+                                      counts=counts, declared=declared)
+                    ok.append(("gather", k, i, got is None if r != root
+                               else got.tobytes() == whole.tobytes()))
+                    own = block if (r != root or i == 1) else None  # root: out or not
+                    got = comm.scatter(big if r == root else None, root=root, counts=counts,
+                                       out=own, declared=declared)
+                    ok.append(("scatter", k, i, got.tobytes() == every[r].tobytes()))
+                comm.allreduce(np.ones(1))  # another collective in between
+        return ok
+
+    for rank, made in enumerate(run(p, body)):
+        bad = [m[:3] for m in made if not m[3]]
+        assert not bad, f"rank {rank}: wrong results at (collective, call, repeat) {bad}"
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_a_repeated_declared_call_sends_only_its_data(p):
+    """The traced messages: the first declared call exchanges counts (allgather and gather:
+    META int64 per rank; scatter: the records up and the header down), the second sends no
+    message but the rows themselves."""
+    def body(comm):
+        r, counts = comm.rank, [3] * p
+        x, y, blk = np.full(3, float(r)), np.empty(3 * p), np.empty(3)
+        big = np.arange(3.0 * p)
+        sent = []
+        for _ in range(2):
+            with comm.trace() as trace:
+                comm.allgather(x, out=y, counts=counts, declared=True)
+                comm.gather(x, root=0, out=y if r == 0 else None, counts=counts, declared=True)
+                comm.scatter(big if r == p - 1 else None, root=p - 1, counts=counts, out=blk,
+                             declared=True)
+            sent.append(sorted(m.nbytes for m in trace.messages if m.src == r))
+        assert (blk == big[3 * r:3 * r + 3]).all()
+        return sent
+
+    for rank, (first, second) in enumerate(run(p, body)):
+        assert any(n >= META * 8 for n in first), f"rank {rank}: no exchange first: {first}"
+        # the rows only: 24-byte blocks, or a tree's bundle of several (multiples of 24)
+        assert second and all(n % 24 == 0 and n <= 24 * p for n in second), \
+            f"rank {rank}: the repeat sent more than rows: {second}"
+
+
+def test_declared_needs_its_counts():
+    """declared=True without counts (or, for scatter, without out on a non-root) is refused
+    before anything is sent: on every rank that lacks them (a scatter's root needs no out: it
+    is left waiting, here released by the thread world with PeerFailedError)."""
+    x = np.zeros(2)
+    for call in (lambda c: c.allgather(x, declared=True),
+                 lambda c: c.gather(x, declared=True)):
+        expect_error_on_every_rank(3, call, ringcoll.InvalidArgumentError, "declared=True")
+    errors = per_rank(3, lambda c: c.scatter(np.zeros(6) if c.rank == 0 else None,
+                                             counts=[2] * 3, declared=True))
+    for r in (1, 2):
+        assert isinstance(errors[r], ringcoll.InvalidArgumentError), f"rank {r}: {errors[r]!r}"
+        assert "out= on every rank but root" in str(errors[r])
+    assert isinstance(errors[0], ringcoll.PeerFailedError), errors[0]
+
+
+def test_declared_counts_that_differ_are_refused_on_every_rank():
+    """The first declared call checks the counts: a rank whose list differs raises
+    InvalidArgumentError, the others PeerFailedError (or all the same error)."""
+    def allgather(comm):
+        counts = [2, 2, 3] if comm.rank == 1 else [2, 2, 2]
+        return comm.allgather(np.zeros(2), counts=counts, declared=True)
+
+    errors = per_rank(3, allgather)
+    assert isinstance(errors[1], ringcoll.InvalidArgumentError) and "counts=" in str(errors[1])
+    for r in (0, 2):
+        assert isinstance(errors[r], ringcoll.PeerFailedError) and "[1]" in str(errors[r]), \
+            errors[r]
+
+    def scatter(comm):
+        counts = [1, 2, 3] if comm.rank == 2 else [2, 2, 2]
+        x = np.zeros(6) if comm.rank == 0 else None
+        return comm.scatter(x, counts=counts, out=np.empty(counts[comm.rank]), declared=True)
+
+    errors = per_rank(3, scatter)
+    assert isinstance(errors[2], ringcoll.InvalidArgumentError) and "root 0's" in str(errors[2])
+    for r in (0, 1):
+        assert isinstance(errors[r], ringcoll.PeerFailedError) and "[2]" in str(errors[r]), \
+            errors[r]
+
+
+def test_a_rank_that_contradicts_agreed_counts_ends_the_call():
+    """After the ranks agreed on a declared call, rank 1 passes rows that its counts do not
+    describe, under the same signature: it raises naming the fix (no exchange would tell the
+    others, so the job ends: here the thread world fails them with PeerFailedError)."""
+    def body(comm):
+        counts = [2, 2, 2]
+        comm.allgather(np.zeros(2), counts=counts, declared=True)
+        x = np.zeros(3 if comm.rank == 1 else 2)
+        return comm.allgather(x, counts=counts, declared=True)
+
+    errors = per_rank(3, body)
+    assert isinstance(errors[1], ringcoll.InvalidArgumentError), errors[1]
+    assert "x has 3 rows, but counts[1] = 2" in str(errors[1])
+    for r in (0, 2):
+        assert isinstance(errors[r], ringcoll.PeerFailedError), f"rank {r}: {errors[r]!r}"
+
+
+def test_debug_mode_checks_every_declared_call_and_names_who_did_not_declare():
+    """Debug mode never skips (every call agreed anew), and its fingerprint names a rank that
+    passed declared=True where another did not."""
+    def body(comm):
+        x, y = np.full(2, comm.rank), np.empty(2 * comm.size, np.int64)
+        for _ in range(3):
+            comm.allgather(x, out=y, counts=[2] * comm.size, declared=True)
+        return y.tolist()
+
+    for got in run(3, body, debug=True):
+        assert got == [0, 0, 1, 1, 2, 2]
+    expect_error_on_every_rank(
+        3, lambda c: c.allgather(np.zeros(2), counts=[2] * 3, declared=c.rank != 1),
+        ringcoll.CollectiveMismatchError, debug=True)
+
+
+def test_the_agreed_calls_a_communicator_keeps_are_bounded():
+    """More distinct declared calls than the communicator keeps: the oldest is agreed again
+    (an exchange), every result stays right, and the record never outgrows its limit."""
+    from ringcoll.group import DECLARED_LIMIT
+
+    def body(comm):
+        ok = []
+        for n in list(range(1, DECLARED_LIMIT + 8)) + [1, 2]:
+            x = np.full(n, comm.rank, np.int16)
+            got = comm.allgather(x, counts=[n] * comm.size, declared=True)
+            ok.append(got.tolist() == np.repeat(np.arange(comm.size), n).tolist())
+        return all(ok), len(comm._g.declared)
+
+    for ok, kept in run(2, body):
+        assert ok and kept == DECLARED_LIMIT
