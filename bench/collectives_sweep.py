@@ -17,6 +17,10 @@ MPI_Scatter, MPI_Reduce_scatter_block, MPI_Alltoall, MPI_Barrier), ringcoll's "a
 default), its own algorithm ("own": the collective's first, e.g. tree or ring) and, where the
 collective has it, algorithm="native" (ringcoll's adapter over the MPI call). Every ringcoll
 call passes out= and the same arrays each time, as a training loop does (the repeat path).
+allgather, gather and scatter pass counts= and declared=True on every rank: the contract of
+MPI_Allgather, MPI_Gather and MPI_Scatter, whose counts every rank knows, so the ranks agree on
+the counts once and a repeated call moves only the data (--undeclared: without them, the
+general call whose row counts may change from call to call, agreed on every call).
 
 Timing: bench/targets.py's time_calls: a warm-up, then shuffled rounds (the same order on
 every rank) of a batch of each call, each after a settling call and a barrier; the time of a
@@ -71,7 +75,7 @@ def own_algorithm(name):
 class Setup:
     """The arrays of one collective at one size and the calls over them: (calls, check)."""
 
-    def __init__(self, name, n, comm, mpi):
+    def __init__(self, name, n, comm, mpi, declared=True):
         self.name, self.comm, self.mpi = name, comm, mpi
         p, r = comm.size, comm.rank
         k = max(n // 8, 0) if name != "barrier" else 0
@@ -80,6 +84,8 @@ class Setup:
         self.x = ((np.arange(k) + 3 * r) % 7).astype(np.float64)
         self.big = ((np.arange(k * p) + 5 * r) % 11).astype(np.float64)
         self.outs = {}  # one out per caller, so no two calls share a result
+        # allgather, gather, scatter: MPI's contract (every rank knows the counts), or none
+        self.declared = {"counts": [k] * p, "declared": True} if declared else {}
 
     def out(self, who, size):
         if who not in self.outs:
@@ -111,15 +117,17 @@ class Setup:
             elif name == "allgather":
                 o = self.out(alg, k * p)
                 made[alg] = (lambda o=o: mpi.Allgather(x, o)) if alg == "mpi" else \
-                    (lambda o=o, a=a: comm.allgather(x, out=o, algorithm=a))
+                    (lambda o=o, a=a: comm.allgather(x, out=o, algorithm=a, **self.declared))
             elif name == "gather":
                 o = self.out(alg, k * p)
                 made[alg] = (lambda o=o: mpi.Gather(x, o, root=root)) if alg == "mpi" else \
-                    (lambda o=o, a=a: comm.gather(x, root=root, out=o, algorithm=a))
+                    (lambda o=o, a=a: comm.gather(x, root=root, out=o, algorithm=a,
+                                                  **self.declared))
             elif name == "scatter":
                 o = self.out(alg, k)
                 made[alg] = (lambda o=o: mpi.Scatter(big, o, root=root)) if alg == "mpi" else \
-                    (lambda o=o, a=a: comm.scatter(big, root=root, out=o, algorithm=a))
+                    (lambda o=o, a=a: comm.scatter(big, root=root, out=o, algorithm=a,
+                                                   **self.declared))
             elif name == "reduce_scatter":
                 o = self.out(alg, k)
                 made[alg] = (lambda o=o: mpi.Reduce_scatter_block(big, o)) if alg == "mpi" \
@@ -170,7 +178,7 @@ def sweep(args, comm, mpi):
                       and hasattr(comm._g.t, "native_allreduce"))
         algorithms = ["auto", own_algorithm(name)] + (["native"] if has_native else [])
         for n in ([0] if name == "barrier" else sizes):
-            setup = Setup(name, n, comm, mpi)
+            setup = Setup(name, n, comm, mpi, declared=not args.undeclared)
             calls = setup.calls(algorithms)
             for fn in calls.values():
                 fn()
@@ -262,6 +270,8 @@ def parse(argv):
     ap.add_argument("--rounds", type=int, default=7, help="shuffled rounds per size (7)")
     ap.add_argument("--max-iters", type=int, default=2000)
     ap.add_argument("--write-tuning", metavar="FILE")
+    ap.add_argument("--undeclared", action="store_true",
+                    help="allgather, gather, scatter without counts= and declared=True")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     args.only = [c.strip() for c in args.only.split(",") if c.strip()]

@@ -15,6 +15,9 @@ Scenarios (rank 1's fault):
   raise         raises in its own code instead of calling the allreduce
   raise_with    the same inside `with ringcoll.Communicator() as comm:`
   exit          exits (sys.exit(0)) instead of calling the allreduce
+  declared_rows after every rank agreed on a declared allgather (counts= [2] * p,
+                declared=True), passes 3 rows under the same counts
+  declared_dtype the same, passing int64 rows where the others pass float64 (same item size)
   none          no fault (the control: every rank prints 'finished')
 """
 
@@ -53,6 +56,12 @@ def main(scenario):
         if bad:
             sys.exit(0)
         comm.allreduce(x)
+    elif scenario in ("declared_rows", "declared_dtype"):
+        counts = [2] * comm.size
+        comm.allgather(np.ones(2), counts=counts, declared=True)  # agreed on every rank
+        y = np.ones(3) if bad and scenario == "declared_rows" else \
+            np.ones(2, np.int64) if bad else np.ones(2)
+        comm.allgather(y, counts=counts, declared=True)
     elif scenario != "none":
         raise SystemExit(f"unknown scenario {scenario!r}")
     comm.barrier()

@@ -58,6 +58,8 @@ def test_control_no_fault_finishes_on_every_rank(mpi_timings):
     ("raise_with", 3, ["RuntimeError: rank 1 failed in its own code",
                        "ringcoll rank 1: aborting the job",
                        "an exception escaped `with Communicator()` on this rank"]),
+    ("declared_rows", 3, ["InvalidArgumentError: ringcoll rank 1, allgather: x has 3 rows, "
+                          "but counts[1] = 2", "allgather #2"]),
 ])
 def test_visible_fault_aborts_the_job_at_once(scenario, nprocs, texts, mpi_timings):
     rc, out, secs = run(scenario, False, nprocs, mpi_timings)
@@ -111,4 +113,29 @@ def test_debug_mode_tells_the_others_when_one_rank_has_a_bad_argument(mpi_timing
            *(f"PeerFailedError: ringcoll rank {r}, allreduce #1 (recursive_doubling): rank(s) "
              "[1] could not start this collective" for r in (0, 2)))
     assert "MPI_Abort" not in out, out[-4000:]
+    assert secs < PROMPT, f"took {secs:.1f} s"
+
+
+# -- declared counts (allgather/gather/scatter with declared=True), once agreed ------------------
+def test_declared_call_with_another_dtype_is_left_to_mpis_size_check(mpi_timings):
+    """Rank 1 passes int64 rows where the others pass float64, under counts the ranks agreed
+    on before: no exchange tells them (docs/errors.md: not caught by ringcoll). Here the
+    message sizes differ (rank 1 agrees anew, the others send data), so MPI's own check ends
+    the job at once; it must never finish or hang."""
+    rc, out, secs = run("declared_dtype", False, mpi_timings=mpi_timings)
+    assert rc != 0 and "finished" not in out, f"exit status {rc}:\n{out[-4000:]}"
+    assert "truncated" in out.lower(), out[-4000:]
+    assert secs < PROMPT, f"took {secs:.1f} s"
+
+
+@pytest.mark.parametrize("scenario,first,others", [
+    ("declared_rows", "InvalidArgumentError: ringcoll rank 1, allgather #2", "InvalidArgumentError"),
+    ("declared_dtype", "CollectiveMismatchError: ringcoll rank 1, ", "CollectiveMismatchError"),
+])
+def test_debug_mode_agrees_on_every_declared_call(scenario, first, others, mpi_timings):
+    """Debug mode never skips a declared call's agreement: every rank raises, none aborts."""
+    rc, out, secs = run(scenario, True, mpi_timings=mpi_timings)
+    assert rc == 1, f"exit status {rc}: every rank should raise (exit 1):\n{out[-4000:]}"
+    expect(out, first, *(f"{others}: ringcoll rank {r}, " for r in (0, 2)))
+    assert "MPI_Abort" not in out and "CollectiveTimeoutError" not in out, out[-4000:]
     assert secs < PROMPT, f"took {secs:.1f} s"
