@@ -189,6 +189,12 @@ def fields(g, side, op=None, x=None, **more):
     return found
 
 
+def counts_crc(counts):
+    """A fingerprint of a counts list that ranks compare in their exchanges (never -1, which
+    their records use for "no counts")."""
+    return zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
+
+
 def declared_field(declared):
     """debug mode's field for a declared call (allgather.Rows): present only when it is, so a
     rank that declares where another does not is named."""

@@ -17,8 +17,6 @@ every rank then knows alike (its own x's bytes may differ between ranks); the co
 travel by MPI's own all-gather where the transport has it.
 """
 
-import zlib
-
 import numpy as np
 
 from .. import checks
@@ -61,7 +59,7 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
     bound = [None, None, None]  # MPI's all-gather bound to (these counts, this dst)
 
     def run():
-        if exchange.agreed():  # counts declared by every rank and agreed on before
+        if exchange.agreed() is not None:  # counts declared by every rank, agreed before
             if problem is not None:
                 raise InvalidArgumentError(problem)  # (the others are sending: abort)
             got, carried = counts, False
@@ -127,11 +125,6 @@ def declared_problem(ctx, x, out, counts, rank):
     return None
 
 
-def _crc(counts):
-    """A fingerprint of a counts list (never -1, which means "no expectation")."""
-    return zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
-
-
 class Target:
     """Where a call's gathered rows go, for the row counts got: (their Partition, the result,
     the flat buffer the algorithm writes, the array to copy that into or None). With out=
@@ -191,13 +184,14 @@ class Rows:
     time, the counts judged then are returned again (the very same list) unjudged.
 
     Declared counts: when every rank passed declared=True (with counts=) and the exchange
-    found them right, each rank records the call's signature (collective, counts, dtype and row shape, whether its
-    rows are host memory, and `key`: gather's root) in g.declared, with whether every rank's
-    rows are host memory (then MPI's own calls may move them). A later
-    call of that signature skips the exchange (agreed() says so; the caller then uses its
-    counts). Every rank decides alike, since each records after the same exchanges and
+    found them right, each rank records the call's signature (collective, counts, dtype and
+    row shape, whether its rows are host memory, and `key`: gather's root) in g.declared,
+    with whether every rank's rows are host memory (then MPI's own calls may move them). A
+    later call of that signature skips the exchange (agreed() says so; the caller then uses
+    its counts). Every rank decides alike, since each records after the same exchanges and
     evicts the same oldest entry: what a rank that passed other arguments than the others
-    would break is documented in docs/errors.md. Debug mode never skips (it checks every call).
+    would break is documented in docs/errors.md. Debug mode never skips (it checks every
+    call).
     """
 
     def __init__(self, g, x, out, name, collective=NAME, expect=None, src=None, key=(),
@@ -207,7 +201,7 @@ class Rows:
         layout = _args.layout(x.dtype, x.shape[1:])
         out_rows = -1 if out is None else out.shape[0]
         self.numbers = [x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
-                        -1 if expect is None else _crc(expect), 0,
+                        -1 if expect is None else _args.counts_crc(expect), 0,
                         bool(host) + 2 * bool(declared)]
         self.signature = None if not declared or g.options.debug else \
             (collective, tuple(expect), layout, bool(host)) + tuple(key)
@@ -264,14 +258,10 @@ class Rows:
         return self.got, self.carried
 
     def agreed(self):
-        """May this call skip the exchange? True when every rank declared its counts and an
-        earlier exchange of the same signature found them right (see the class doc)."""
-        return self.signature is not None and self.signature in self.g.declared
-
-    def host(self):
-        """Are every rank's rows host memory? (Only after agreed() said True: what the
-        exchange that agreed this signature found.)"""
-        return self.g.declared[self.signature]
+        """None unless this call may skip the exchange (every rank declared its counts and an
+        earlier exchange of the same signature found them right: see the class doc); then
+        whether every rank's rows are host memory, as that exchange found."""
+        return None if self.signature is None else self.g.declared.get(self.signature)
 
     def unpack(self, dst):
         """Copy the rows that came in the slots into dst (flat, the result's bytes in rank
@@ -318,7 +308,7 @@ def _judge(g, meta, mine, x, out, collective, expect):
             f"{ctx}rank(s) {wrong} passed out= with the wrong row count (the result has "
             f"{total} rows), so no rank runs this {collective}"))
     got = [int(v) for v in meta[:, 0]]
-    differ = [r for r in range(g.size) if meta[r, 5] not in (-1, _crc(got))]
+    differ = [r for r in range(g.size) if meta[r, 5] not in (-1, _args.counts_crc(got))]
     if g.rank in differ:
         raise checks.agreed(InvalidArgumentError(
             f"{ctx}counts={expect} but the ranks pass {got} rows; pass the counts they send"))

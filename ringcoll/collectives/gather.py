@@ -12,10 +12,10 @@ plus the counts' exchange, (p-1) a by ringcoll's ring.
 With declared=True on every rank, every rank passes counts= (root's expectations, which the
 others then declare too, as wrap()'s Gather does: MPI_Gather's counts are all the same), and
 the exchange runs once per distinct call (allgather.Rows: declared counts); the same call
-again sends only the data. Under
-auto, equal blocks of at most NATIVE_MAX bytes in host memory then go by MPI_Gather itself,
-one C call (the sweep, bench/README.md: MPICH's gather is faster than the tree up to 128 KiB
-blocks at -n 2 and -n 4, the tree faster from 2 MiB at -n 4).
+again sends only the data. Under auto, equal blocks of at most NATIVE_MAX bytes in host memory
+then go by MPI_Gather itself, one C call. NATIVE_MAX is a fixed 64 KiB from the sweep in
+bench/README.md: there MPICH's gather beats the tree for small blocks at -n 2 and -n 4 and
+the tree wins from about 128 KiB-2 MiB at -n 4 (at -n 2 it never does: one message either way).
 """
 
 from ..algorithms import COLLECTIVE_ALGORITHMS, native as native_calls, tree
@@ -54,7 +54,7 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     target = Target(out, x, ctx, side, wanted=is_root)
     problem = declared_problem(ctx, x, out, expect, g.rank)
     # MPI_Gather for a declared call's small equal blocks, where every rank's are host memory
-    # (the same on every rank: expect, x's row bytes and the agreed host() are)
+    # (the same on every rank: expect, x's row bytes and the agreed host flag are)
     block = None if expect is None else expect[0] * _args.row_elems(x) * x.dtype.itemsize
     native = mpi and expect is not None and len(set(expect)) == 1 and block <= NATIVE_MAX
     # (MPI forbids a send buffer inside the receive buffer: root's x viewed in out is copied)
@@ -62,7 +62,8 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     bound = [(), None]  # MPI_Gather bound to this dst (None on non-roots; never ())
 
     def run():
-        direct = exchange.agreed()  # counts declared by every rank and agreed on before
+        host_all = exchange.agreed()  # counts declared by every rank and agreed on before
+        direct = host_all is not None
         if direct:
             if problem is not None:
                 raise InvalidArgumentError(problem)  # (the others are sending: abort)
@@ -73,7 +74,7 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
         if carried:  # every rank's rows came with the counts (small rows, repeated)
             if is_root:
                 exchange.unpack(dst)
-        elif direct and native and exchange.host():
+        elif direct and native and host_all:
             if aliased:
                 g.t.native_gather(src.copy(), dst, root)
             else:

@@ -29,19 +29,18 @@ Declared counts: with declared=True on every rank, every rank passes counts= (ro
 the others then declare too, as wrap()'s Scatter does: MPI_Scatter's counts are all the same)
 and every non-root out=; each record carries a fingerprint of its counts, root checks them
 against its own, and the header says whether every rank declared (and whether every rank's
-memory is host memory).
-Then every rank records the call's signature (counts, dtype and row shape, memory kind, root)
-in g.declared, as allgather.Rows does, and the same call again skips steps 1 and 2: only the
-data moves, as in MPI_Scatterv. Under auto, equal blocks of at most NATIVE_MAX bytes in host
-memory then go by MPI_Scatter itself (faster than the tree below 128 KiB blocks in the sweep
-of bench/README.md at -n 2 and -n 4).
+memory is host memory). Then every rank records the call's signature (counts, dtype and row
+shape, memory kind, root) in g.declared, as allgather.Rows does, and the same call again skips
+steps 1 and 2: only the data moves, as in MPI_Scatterv. Under auto, equal blocks of at most
+NATIVE_MAX bytes in host memory then go by MPI_Scatter itself. NATIVE_MAX is a fixed 64 KiB
+from the sweep in bench/README.md: MPICH's scatter beats the tree for small blocks, the tree
+wins from about 32 KiB at -n 2 and 128 KiB-2 MiB at -n 4.
 
 Cost: 2 ceil(log2 p) a for the agreement, plus ceil(log2 p) a + (n - c_root) b at the root
 for n scattered bytes ((p-1)/p n b for even blocks): root sends every other block once.
 """
 
 import operator
-import zlib
 
 import numpy as np
 
@@ -115,7 +114,7 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
         except TypeError:
             raise InvalidArgumentError(f"{ctx}counts={counts!r} is not a sequence of ints") \
                 from None
-        crc = _crc(listed)
+        crc = _args.counts_crc(listed)
         if not g.options.debug:  # (debug mode agrees on every call: it never skips)
             sig = (NAME, listed, layout, host, root)
             problem = own if g.rank == root else _block_problem(out, listed, g.rank, root)
@@ -131,10 +130,11 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     last = [None, None, None]  # the header's numbers last read, what they gave, out's targets
 
     def run():
-        if sig is not None and sig in g.declared:  # declared and agreed on before
+        host_all = None if sig is None else g.declared.get(sig)
+        if host_all is not None:  # declared and agreed on before
             if problem is not None:
                 raise InvalidArgumentError(f"{ctx}{problem}")  # (the others move data: abort)
-            return direct(g.declared[sig])
+            return direct(host_all)
         header, carried = agree()
         numbers = header[:words].tobytes()
         if numbers != last[0]:
@@ -177,11 +177,6 @@ def _header_size(p):
     whether every rank declared its counts (bit 0) and has host memory (bit 1), and whether
     the blocks ride in it (the slots that follow)."""
     return 2 * p + 7 + SLOTS
-
-
-def _crc(counts):
-    """A fingerprint of a declared counts list (never -1, which means "none declared")."""
-    return zlib.crc32(np.asarray(counts, dtype=np.int64).tobytes())
 
 
 def _block_problem(out, counts, rank, root):
@@ -418,7 +413,7 @@ def _judge(meta, x, rows, own, p, root):
     if rows is not None:  # with bad counts, no other rank's out can be judged
         counts[:] = rows
         layout = _args.layout(x.dtype, trail)
-        declared = _crc(rows)
+        declared = _args.counts_crc(rows)
         for r in range(p):
             has_out, out_rows, out_layout, counts_crc, _ = meta[r]
             if r == root:
