@@ -99,40 +99,32 @@ class Repeat:
     dtype and shape they had. Every other argument matches an equal value (see freeze).
     """
 
-    __slots__ = ("args", "values", "layouts", "absent", "plan", "run", "result", "current")
+    __slots__ = ("args", "layouts", "plan", "run", "result", "current")
 
     def __init__(self, args, buffers, plan):
+        # arrays as themselves (or None where left out), every other argument frozen
         self.args = tuple(a if i in buffers else freeze(a) for i, a in enumerate(args))
-        self.values = tuple(i for i in range(len(args)) if i not in buffers)
-        # (position, dtype, shape) of every array argument; the positions of those left out
+        # (position, dtype, shape) of every array argument
         self.layouts = tuple((i, args[i].dtype, args[i].shape) for i in buffers
                              if hasattr(args[i], "dtype"))
-        self.absent = tuple(i for i in buffers if args[i] is None)
         self.plan, self.run, self.result = plan, plan.run, plan.result
         self.current = (plan.collective, plan.algorithm, plan.schedule)  # for Progress
 
     def matches(self, args):
+        """The same call again? This runs on every repeat of every collective: the arrays
+        first (the very same objects, unchanged), then the whole tuple in one C comparison,
+        which takes an identical item as equal without calling its __eq__ (so the arrays,
+        found identical, are not compared elementwise) and compares the rest by value: a
+        list of counts with the kept list, root with root, None with None."""
         kept = self.args
-        for i, dtype, shape in self.layouts:  # the arrays: the very same, unchanged
+        for i, dtype, shape in self.layouts:
             given = args[i]
             if given is not kept[i] or given.dtype is not dtype or given.shape != shape:
                 return False
-        for i in self.absent:  # an array argument left out (None) is left out again
-            if args[i] is not None:
-                return False
-        for i in self.values:  # the rest: equal values
-            given, mine = args[i], kept[i]
-            if given is mine:
-                continue
-            if mine is None:
-                return False
-            kind = type(given)
-            if kind is list or kind is tuple:  # counts: compared as they are, in C
-                if kind is not type(mine) or given != mine:
-                    return False
-            elif freeze(given) != mine:
-                return False
-        return len(args) == len(kept)
+        try:
+            return args == kept
+        except Exception:  # an array where a value was kept: its == is elementwise, with no
+            return False   # truth value (or a broadcasting error): a mismatch, not an error
 
 
 #: the runner's Replay when there is none: its x is no caller's array, so nothing matches

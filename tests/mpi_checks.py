@@ -1355,6 +1355,56 @@ def check_declared(comms, light):
                          f"{label}: scatter wrong")
 
 
+def check_declared_repeats(comms, light):
+    """The repeats of declared allgather, gather and scatter, where the call's plan runs
+    MPI's bound call alone once agreed (their hot path): the very same arrays every call, new
+    values written into them in place, against mpi4py's calls; between calls, another
+    declared call of each collective (another agreed signature), and once more than
+    group.DECLARED_LIMIT distinct declared calls, so that every rank forgets the agreement
+    and must agree again (a rank still taking its hot path would then deadlock or mix
+    messages with the others' exchange)."""
+    from ringcoll.group import DECLARED_LIMIT
+
+    comm = comms["world"]
+    for root in sorted({0, P - 1}):
+        counts = [3] * P
+        x, y = np.zeros(3), np.zeros(3 * P)
+        src, blk = np.zeros(3 * P), np.zeros(3)
+        for k in range(6):
+            label = f"declared repeat root={root} call {k}"
+            x[...] = O.make_input(48_000 + k, RANK, (3,), np.float64)
+            whole = np.concatenate(WORLD.allgather(x))
+            src[...] = whole if RANK == root else 0
+            # after the forgetting, rank 0 alone passes new arrays (a new plan, no repeat):
+            # it must find the agreement gone, as the repeating ranks must
+            mine, out = (x.copy(), blk.copy()) if k == 5 and RANK == 0 else (x, blk)
+            ok = comm.allgather(mine, out=y, counts=counts, declared=True) is y and \
+                np.array_equal(y, whole)
+            CK.check(ok, f"{label}: allgather wrong")
+            got = comm.gather(mine, root=root, out=y if RANK == root else None, counts=counts,
+                              declared=True)
+            CK.check(got is None if RANK != root else np.array_equal(got, whole),
+                     f"{label}: gather wrong")
+            CK.check(comm.scatter(src if RANK == root else None, root=root, counts=counts,
+                                  out=out, declared=True) is out
+                     and np.array_equal(out, whole[3 * RANK:3 * RANK + 3]),
+                     f"{label}: scatter wrong")
+            if k == 2:  # another signature of each: agreed, and the first one still holds
+                one = np.full(1, RANK, np.float64)
+                every = np.arange(P, dtype=np.float64)
+                comm.allgather(one, out=np.zeros(P), counts=[1] * P, declared=True)
+                comm.gather(one, root=root, out=np.zeros(P) if RANK == root else None,
+                            counts=[1] * P, declared=True)
+                comm.scatter(every if RANK == root else None, root=root, counts=[1] * P,
+                             out=np.zeros(1), declared=True)
+            if k == 4:  # more distinct declared calls than the cache keeps: all forgotten
+                for n in range(1, DECLARED_LIMIT + 2):
+                    comm.allgather(np.zeros(n), out=np.zeros(n * P), counts=[n] * P,
+                                   declared=True)
+                CK.check(len(comm._g.declared) == DECLARED_LIMIT,
+                         f"{label}: the declared calls were not bounded")
+
+
 def check_trace(comms, light):
     """comm.trace() over MPI: results unchanged, each rank records only its own traffic, and
     Trace.gather matches every message with its receive (tests/test_trace.py checks the byte
@@ -1510,7 +1560,8 @@ def main():
         "scan": lambda: check_scan(comms, args.light),
         "dtypes": lambda: check_dtypes(comms, args.light),
         "compat_repeat": lambda: check_compat_repeat(comms, args.light),
-        "declared": lambda: check_declared(comms, args.light),
+        "declared": lambda: (check_declared(comms, args.light),
+                             check_declared_repeats(comms, args.light)),
     }
     times = {}
     for group in groups:

@@ -147,6 +147,31 @@ def test_a_repeat_skips_the_planning_and_a_changed_call_plans_anew(p, monkeypatc
     assert planned.count("broadcast") == 4, planned
 
 
+def test_repeat_matching_of_every_kind_of_argument():
+    """Repeat.matches alone (its one C comparison of the whole tuple): equal values match,
+    whatever their type's spelling (numpy ints); another value, another container type, an
+    array where a value or None was, another array, or an array changed in place do not
+    (and nothing raises: an array's == has no truth value)."""
+    from ringcoll.runner import Plan, Repeat
+
+    x, out = np.zeros(4), np.zeros(4)
+    made = Repeat((x, 0, out, None, [2, 2], True), (0, 2), Plan("t", None, None, None))
+    assert made.matches((x, 0, out, None, [2, 2], True))
+    assert made.matches((x, np.int64(0), out, None, [np.int64(2), 2], True))
+    for other in [(x, 1, out, None, [2, 2], True), (x, 0, out, "ring", [2, 2], True),
+                  (x, 0, out, None, [2, 3], True), (x, 0, out, None, (2, 2), True),
+                  (x, 0, out, None, np.array([2, 2]), True), (x, 0, out, np.zeros(3), [2, 2],
+                  True), (x, 0, np.zeros(4), None, [2, 2], True), (x, 0, out, None, [2, 2]),
+                  (np.zeros(4), 0, out, None, [2, 2], True)]:
+        assert not made.matches(other), other
+    left_out = Repeat((x, 0, None), (0, 2), Plan("t", None, None, None))
+    assert left_out.matches((x, 0, None))
+    assert not left_out.matches((x, 0, out))
+    assert not left_out.matches((x, 0, np.zeros(1)))
+    x.shape = (2, 2)  # the same object, reshaped in place
+    assert not made.matches((x, 0, out, None, [2, 2], True))
+
+
 def test_no_repeat_without_out_or_for_a_copied_input():
     """A call that allocates its result, or works on a copy of a non-contiguous x, is never
     repeated: every call returns a new array, and a strided x's new values are read."""

@@ -57,8 +57,16 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
     chosen = [None, name]  # auto's pick for the last counts seen (a repeat keeps the list)
     problem = declared_problem(ctx, x, out, counts, g.rank)
     bound = [None, None, None]  # MPI's all-gather bound to (these counts, this dst)
+    # once the call is agreed and runs MPI's call: that call bound, and the result (out).
+    # Then a repeat is one dict lookup and MPI's call, while the agreement holds (every
+    # rank's g.declared forgets it alike: see Rows)
+    hot = [None, None]
+    sig, agreed = exchange.signature, g.declared.get
 
     def run():
+        if hot[0] is not None and agreed(sig) is not None:
+            hot[0]()
+            return hot[1]
         if exchange.agreed() is not None:  # counts declared by every rank, agreed before
             if problem is not None:
                 raise InvalidArgumentError(problem)  # (the others are sending: abort)
@@ -76,6 +84,8 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
                 bound[:] = got, dst, native.bind(side.t, "native_allgather", src, dst,
                                                  part.counts)
             bound[2]()
+            if got is counts and copy_to is None:  # (declared: got is counts when agreed)
+                hot[:] = bound[2], result
         else:
             dst[part.slices[g.rank]] = src
             (node if chosen[1] == "node" else ring).allgather(side.t, dst, part, side.ws)

@@ -60,8 +60,16 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     # (MPI forbids a send buffer inside the receive buffer: root's x viewed in out is copied)
     aliased = out is not None and side.xp.may_share_memory(x, out)
     bound = [(), None]  # MPI_Gather bound to this dst (None on non-roots; never ())
+    # once the call is agreed and its result is the same every time (out given, or not root):
+    # MPI_Gather bound and that result. Then a repeat is one dict lookup and MPI's call, while
+    # the agreement still holds (every rank's g.declared forgets it alike: see Rows).
+    hot = [None, None]
+    sig, agreed = exchange.signature, g.declared.get
 
     def run():
+        if hot[0] is not None and agreed(sig):  # (True: agreed, every rank's rows on the host)
+            hot[0]()
+            return hot[1]
         host_all = exchange.agreed()  # counts declared by every rank and agreed on before
         direct = host_all is not None
         if direct:
@@ -81,6 +89,8 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
                 if bound[0] is not dst:
                     bound[:] = dst, native_calls.bind(g.t, "native_gather", src, dst, root)
                 bound[1]()
+                if copy_to is None and (out is not None or not is_root):
+                    hot[:] = bound[1], result
         else:
             tree.gather(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
