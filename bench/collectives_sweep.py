@@ -41,7 +41,8 @@ MPI's, exactly (small integers in float64), on every rank; any difference fails 
 --write-tuning FILE: after the sweep, writes (or updates) this p's entry of a tuning file
 (ringcoll/tuning.py's format) with, per collective that has "native", the faster of own and
 native at each size: the measured crossovers `auto` then follows. The all-reduce ranges of an
-existing entry are kept (python -m ringcoll.tune measures those).
+existing entry are kept (python -m ringcoll.tune measures those), and so are the ranges of
+the collectives this run did not measure (--only).
 
 Exit status: 0 every target met; 3 a target missed; 1 a wrong result; 2 bad arguments.
 """
@@ -85,7 +86,7 @@ class Setup:
         self.big = ((np.arange(k * p) + 5 * r) % 11).astype(np.float64)
         self.outs = {}  # one out per caller, so no two calls share a result
         # allgather, gather, scatter: MPI's contract (every rank knows the counts), or none
-        self.declared = {"counts": [k] * p, "declared": True} if declared else {}
+        self.counts, self.declared = ([k] * p, True) if declared else (None, False)
 
     def out(self, who, size):
         if who not in self.outs:
@@ -96,6 +97,7 @@ class Setup:
         """{label: zero-argument call}; label 'mpi' or a ringcoll algorithm name."""
         name, comm, mpi, k, p = self.name, self.comm, self.mpi, self.k, self.p
         x, big, root = self.x, self.big, self.root
+        c, d = self.counts, self.declared  # (passed as they are: a ** costs a call 0.2 us)
         made = {}
         for alg in ["mpi"] + algorithms:
             a = None if alg == "auto" else alg
@@ -117,17 +119,18 @@ class Setup:
             elif name == "allgather":
                 o = self.out(alg, k * p)
                 made[alg] = (lambda o=o: mpi.Allgather(x, o)) if alg == "mpi" else \
-                    (lambda o=o, a=a: comm.allgather(x, out=o, algorithm=a, **self.declared))
+                    (lambda o=o, a=a: comm.allgather(x, out=o, algorithm=a, counts=c,
+                                                     declared=d))
             elif name == "gather":
                 o = self.out(alg, k * p)
                 made[alg] = (lambda o=o: mpi.Gather(x, o, root=root)) if alg == "mpi" else \
-                    (lambda o=o, a=a: comm.gather(x, root=root, out=o, algorithm=a,
-                                                  **self.declared))
+                    (lambda o=o, a=a: comm.gather(x, root=root, out=o, algorithm=a, counts=c,
+                                                  declared=d))
             elif name == "scatter":
                 o = self.out(alg, k)
                 made[alg] = (lambda o=o: mpi.Scatter(big, o, root=root)) if alg == "mpi" else \
                     (lambda o=o, a=a: comm.scatter(big, root=root, out=o, algorithm=a,
-                                                   **self.declared))
+                                                   counts=c, declared=d))
             elif name == "reduce_scatter":
                 o = self.out(alg, k)
                 made[alg] = (lambda o=o: mpi.Reduce_scatter_block(big, o)) if alg == "mpi" \
@@ -224,14 +227,14 @@ def human(n):
 
 #: the bytes auto looks up (ringcoll.tuning) per n of this sweep: p n where it is the input or
 #: the gathered result
-SCALED = ("allgather", "reduce_scatter", "alltoall")
+SCALED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
 
 
 def write_tuning(path, rows, comm):
     """This p's entry of the tuning file at path, with the winner (own or native) of every
     collective that has both, per size, as ringcoll.tune picks the all-reduce's: within its
     slack of the fastest, with the fewest switches (see the module doc)."""
-    from ringcoll.tune import crossovers
+    from ringcoll.tune import crossovers, to_json
 
     ranges = {}
     for name in dict.fromkeys(r["collective"] for r in rows):
@@ -252,10 +255,9 @@ def write_tuning(path, rows, comm):
     if entry is None:
         entry = {"p": comm.size, "nodes": nodes}
         data["entries"].append(entry)
-    entry["collectives"] = ranges
+    entry["collectives"] = {**entry.get("collectives", {}), **ranges}  # (--only: the rest stay)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
+        f.write(to_json(data) + "\n")  # (ranges on one line each, as ringcoll.tune writes)
     return ranges
 
 

@@ -547,17 +547,18 @@ class Communicator:
             x (np.ndarray): this rank's rows (a 0-d x is one row).
             root (int): the rank that receives the result.
             out (np.ndarray): where root writes the result (ignored on the other ranks).
-            algorithm (str): "tree" (also "auto", which sends the small exchanges before the
-                data by MPI's own calls where the transport has them).
+            algorithm (str): "tree", or "native" (the data by MPI_Gather(v)); "auto": MPI's
+                own calls for the small exchanges before the data where the transport has
+                them, and for the data where the tuning table measured MPI_Gather faster at
+                this size (without a table: declared equal blocks of up to 64 KiB).
             counts (sequence of int): on root, the rows it expects from each rank, as
                 MPI_Gatherv's recvcounts; checked against what the ranks pass (a difference
                 raises on every rank). Ignored elsewhere unless declared. Default: whatever
                 they pass.
             declared (bool): True on every rank, each passing root's counts: the ranks then
                 agree on counts, dtype and row shape once per distinct call, and the same
-                call again sends only the data (by MPI_Gather itself under auto, for equal
-                blocks of up to 64 KiB in host memory; see docs/errors.md for what is then
-                no longer checked).
+                call again sends only the data (see docs/errors.md for what is then no
+                longer checked).
 
         Returns:
             np.ndarray on root: shape (sum of rows,) + x.shape[1:], rank 0's rows first;
@@ -597,13 +598,13 @@ class Communicator:
                 A non-root without out gets a new array (NumPy; dtype and trailing shape
                 from root); for a structured dtype, or rows of more than 8 trailing
                 dimensions, a non-root must pass out.
-            algorithm (str): "tree" (also "auto", which sends the small exchanges before the
-                data by MPI's own calls where the transport has them).
+            algorithm (str): "tree", or "native" (the data by MPI_Scatter(v)); "auto": MPI's
+                own calls for the small exchanges before the data where the transport has
+                them, and for the data where the tuning table measured MPI_Scatter faster at
+                this size (without a table: declared equal blocks of up to 64 KiB).
             declared (bool): True on every rank, each passing root's counts and (but root)
                 out=: the ranks then agree once per distinct call, and the same call again
-                sends only the data (by MPI_Scatter itself under auto, for equal blocks of up
-                to 64 KiB in host memory; see docs/errors.md for what is then no longer
-                checked).
+                sends only the data (see docs/errors.md for what is then no longer checked).
 
         Returns:
             np.ndarray: this rank's block, shape (counts[rank],) + x.shape[1:] in root's

@@ -111,6 +111,26 @@ def run_suite(comm, to_dev, to_host, agree, algorithms=ALGORITHMS, large=1001, d
                                                     large if q == p // 2 else 2)[i],) + trail,
                                   dtype) for q in range(p)]
             s.result(label, y, np.concatenate(every), "sum", dtype)
+    for algo in (None, "native") if native else (None,):  # -- gather and scatter -------------
+        for root in sorted({0, p - 1}):
+            counts = [(q * 7 + 3) % 4 if q != p // 2 else large for q in range(p)]
+            dtype = _mpi_ok(s.combo(7 * slot + root)[0], algo)
+            slot += 1
+            every = [O.make_input(3500 + slot, q, (counts[q], 2), dtype) for q in range(p)]
+            label = f"gather {algo} root={root} counts={counts} {dtype}"
+            y = s.attempt(label, lambda: comm.gather(to_dev(every[r]), root=root,
+                                                     algorithm=algo))
+            if r == root:
+                s.result(label, y, np.concatenate(every), "sum", dtype, same=False)
+            else:
+                s.check(y is None, f"{label}: non-root got {y!r}")
+            whole = to_dev(np.concatenate(every)) if r == root else None
+            label = f"scatter {algo} root={root} counts={counts} {dtype}"
+            out = to_dev(np.full((counts[r], 2), 7, dtype))
+            y = s.attempt(label, lambda: comm.scatter(whole, root=root, counts=counts, out=out,
+                                                      algorithm=algo))
+            s.check(y is out, f"{label}: did not return out")
+            s.result(label, out, every[r], "sum", dtype, same=False)
     for algo in (None, "native") if native else (None,):  # -- broadcast and reduce -----------
         for root in (range(p) if roots is None else roots(p)):
             for shape in [(0,), (1,), (large,), (3, 4)]:

@@ -22,6 +22,7 @@ propagate to mpiexec's exit status).
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -45,7 +46,8 @@ NATIVE_OK = [d for d in O.ALL_DTYPES if d not in O.HALF_DTYPES]  # MPI has no ha
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
           "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
           "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
-          "alltoallv", "scan", "dtypes", "compat_repeat", "declared"]
+          "alltoallv", "scan", "dtypes", "compat_repeat", "declared",
+          "allgather_in_place"]
 
 
 class Checker:
@@ -277,6 +279,11 @@ def check_allgather(comms, light):
     CK.check(y is not None and y.tolist() == list(range(P)), f"0-d allgather: {y}")
 
 
+#: gather's and scatter's algorithms, each checked (None: auto, which picks MPI's call or the
+#: tree by the tuning table)
+GATHER_ALGORITHMS = (None, "tree", "native")
+
+
 def check_gather(comms, light):
     roots = sorted({0, P - 1, P // 2}) if light else range(P)
     for cname in ("world", "ls2_seg64"):
@@ -285,11 +292,13 @@ def check_gather(comms, light):
             cases = [((RANK * 7 + 3) % 4, (), np.dtype(np.int32)),
                      ((RANK * 5 + 1) % 3, (2, 3), np.dtype(np.complex64)),
                      (1001 if RANK == P // 2 else 2, (), np.dtype(np.float64)),
-                     (0, (2,), np.dtype(np.uint8))]
-            for i, (rows, trail, dtype) in enumerate(cases):
+                     (0, (2,), np.dtype(np.uint8)),
+                     (3000 + 500 * RANK, (), np.dtype(np.float64))]  # too big to ride along
+            for (i, (rows, trail, dtype)), alg in itertools.product(enumerate(cases),
+                                                                    GATHER_ALGORITHMS):
                 x = O.make_input(45_000 + i, RANK, (rows,) + trail, dtype)
-                label = f"{cname} root={root} rows={rows} trail={trail} {dtype}"
-                y = CK.attempt(label, lambda: comm.gather(x, root=root))
+                label = f"{cname} root={root} rows={rows} trail={trail} {dtype} {alg}"
+                y = CK.attempt(label, lambda: comm.gather(x, root=root, algorithm=alg))
                 parts = WORLD.gather(x, root=root)  # mpi4py's own gather of the same arrays
                 if RANK == root:
                     expected = np.concatenate(parts)
@@ -303,21 +312,25 @@ def check_gather(comms, light):
 
 
 def check_scatter(comms, light):
-    """comm.scatter against mpi4py's own Scatterv of the same bytes, on every rank: every root,
-    array_split's sizes and uneven counts with zeros, out= given or not, root in place."""
+    """comm.scatter against mpi4py's own Scatterv of the same bytes, on every rank, by every
+    algorithm: every root, array_split's sizes and uneven counts with zeros, out= given or
+    not, root in place."""
     roots = sorted({0, P - 1, P // 2}) if light else range(P)
     uneven = [(r * 7 + 3) % 4 for r in range(P)]
     big = [1001 if r == P // 2 else 0 for r in range(P)]
+    wide = [3000 + 500 * r for r in range(P)]
     cases = [(None, 2 * P + 1, (), np.dtype(np.int32), "none"),
              (uneven, sum(uneven), (2, 3), np.dtype(np.complex64), "out"),
              (big, 1001, (), np.dtype(np.float64), "in place"),
              ([0] * P, 0, (2,), np.dtype(np.uint8), "out"),
              (None, P - 1, (3,), O.HALF_DTYPES[-1], "odd ranks' out"),
-             (uneven, sum(uneven), (), np.dtype(np.int64), "in place, out")]
+             (uneven, sum(uneven), (), np.dtype(np.int64), "in place, out"),
+             (wide, sum(wide), (), np.dtype(np.float64), "in place, out")]  # past the header
     for cname in ("world", "ls2_seg64"):
         comm = comms[cname]
         for root in roots:
-            for i, (counts, nrows, trail, dtype, who) in enumerate(cases):
+            for (i, (counts, nrows, trail, dtype, who)), alg in itertools.product(
+                    enumerate(cases), GATHER_ALGORITHMS):
                 rows = counts or [len(b) for b in np.array_split(np.empty(nrows), P)]
                 mine = (rows[RANK],) + trail
                 x = before = None
@@ -331,8 +344,10 @@ def check_scatter(comms, light):
                     out = np.full(mine, 7, dtype)
                 else:
                     out = None
-                label = f"{cname} root={root} counts={counts} trail={trail} {dtype} {who}"
-                y = CK.attempt(label, lambda: comm.scatter(x, root=root, counts=counts, out=out))
+                label = (f"{cname} root={root} counts={counts} trail={trail} {dtype} {who} "
+                         f"{alg}")
+                y = CK.attempt(label, lambda: comm.scatter(x, root=root, counts=counts, out=out,
+                                                           algorithm=alg))
                 ref = np.empty(mine, dtype)  # mpi4py's own Scatterv, of the bytes
                 item = int(np.prod(trail, dtype=np.int64)) * dtype.itemsize
                 send = None
@@ -1405,6 +1420,43 @@ def check_declared_repeats(comms, light):
                          f"{label}: the declared calls were not bounded")
 
 
+def check_allgather_in_place(comms, light):
+    """allgather whose x lives in out, against mpi4py's allgather of the same rows: x exactly
+    this rank's block of out (an in-place call, as wrap()'s Allgather(IN_PLACE) makes), x at
+    another place in out, or apart, mixed between ranks; below and above
+    allgather.IN_PLACE_MIN gathered bytes (MPI's call then gets MPI_IN_PLACE on every rank,
+    or x, or a copy of it); auto, native and ring; declared or not; three calls each."""
+    from ringcoll.collectives.allgather import IN_PLACE_MIN
+
+    comm = comms["world"]
+    shapes = {"own block": lambda r: True, "even ranks' block": lambda r: r % 2 == 0,
+              "elsewhere on odd ranks": lambda r: r % 2 == 0}
+    for each, (what, in_place), alg, declared in itertools.product(
+            (3, IN_PLACE_MIN // 8 // max(P, 1) + 5), shapes.items(), (None, "native", "ring"),
+            (False, True)):
+        counts = [each + (r % 3) for r in range(P)]
+        lo, mine = sum(counts[:RANK]), counts[RANK]
+        out = np.zeros(sum(counts))
+        for k in range(3):
+            rows = O.make_input(49_000 + k, RANK, (mine,), np.float64)
+            whole = np.concatenate(WORLD.allgather(rows))
+            if in_place(RANK):
+                out[lo:lo + mine] = rows
+                x = out[lo:lo + mine]
+            elif what.startswith("elsewhere"):
+                at = 0 if lo else sum(counts) - mine  # inside out, not at this rank's block
+                out[at:at + mine] = rows
+                x = out[at:at + mine]
+            else:
+                x = rows
+            label = (f"allgather x in out ({what}) rows={counts} {alg} declared={declared} "
+                     f"call {k}")
+            got = CK.attempt(label, lambda: comm.allgather(
+                x, out=out, algorithm=alg, counts=counts if declared else None,
+                declared=declared))
+            CK.check(got is out and np.array_equal(out, whole), f"{label}: wrong result")
+
+
 def check_trace(comms, light):
     """comm.trace() over MPI: results unchanged, each rank records only its own traffic, and
     Trace.gather matches every message with its receive (tests/test_trace.py checks the byte
@@ -1562,6 +1614,7 @@ def main():
         "compat_repeat": lambda: check_compat_repeat(comms, args.light),
         "declared": lambda: (check_declared(comms, args.light),
                              check_declared_repeats(comms, args.light)),
+        "allgather_in_place": lambda: check_allgather_in_place(comms, args.light),
     }
     times = {}
     for group in groups:

@@ -151,6 +151,6 @@ def test_gather_in_the_registry_and_on_the_facade():
     from ringcoll.collectives import COLLECTIVES
 
     module = COLLECTIVES["gather"]
-    assert module.ALGORITHMS == ("tree",)
+    assert module.ALGORITHMS == ("tree", "native")
     assert ringcoll.Communicator.gather.__doc__.startswith("Concatenate every rank's x")
     assert Tag.GATHER.name == "GATHER"

@@ -25,7 +25,7 @@ LAUNCH_TIMEOUT = 120  # seconds per mpiexec launch
 GROUPS = ["allreduce", "allreduce_floats", "reduce_scatter", "allgather", "gather", "scatter",
           "broadcast", "reduce", "alltoall", "barrier", "iallreduce", "split", "layouts",
           "fortran_out", "errors", "compat", "compat_buffers", "compat_collectives", "trace",
-          "alltoallv", "scan", "dtypes", "compat_repeat", "declared"]
+          "alltoallv", "scan", "dtypes", "compat_repeat", "declared", "allgather_in_place"]
 
 
 MPIEXEC = mpirun.MPIEXEC

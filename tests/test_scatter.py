@@ -293,7 +293,7 @@ def test_scatter_local_errors():
     expect_error_on_every_rank(2, lambda c: c.scatter(np.ones(2), root=2), ValueError,
                                "root=2 is not a rank")
     expect_error_on_every_rank(2, lambda c: c.scatter(np.ones(2), algorithm="ring"),
-                               ValueError, "unknown algorithm 'ring'; use 'auto' or 'tree'")
+                               ValueError, "unknown algorithm 'ring'; use 'auto', 'tree' or 'native'")
     expect_error_on_every_rank(2, lambda c: c.scatter(np.ones(2), out=np.empty(())),
                                ValueError, "out is 0-d")
     ro = np.empty(1)
@@ -317,6 +317,6 @@ def test_scatter_local_errors():
 def test_scatter_in_the_registry_and_on_the_facade():
     from ringcoll.collectives import COLLECTIVES
 
-    assert COLLECTIVES["scatter"] is S and S.ALGORITHMS == ("tree",)
+    assert COLLECTIVES["scatter"] is S and S.ALGORITHMS == ("tree", "native")
     assert ringcoll.Communicator.scatter.__doc__.startswith("Split root's x along axis 0")
     assert Tag.SCATTER.name == "SCATTER" and len({int(t) for t in Tag}) == len(Tag)

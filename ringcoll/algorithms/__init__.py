@@ -39,7 +39,8 @@ COLLECTIVE_ALGORITHMS = {
     "broadcast": ("tree", "node", "native"), "reduce": ("tree", "native"),
     "scan": ("recursive_doubling", "native"), "exscan": ("recursive_doubling", "native"),
     "alltoall": ("pairwise", "native"), "alltoallv": ("pairwise", "native"),
-    "gather": ("tree",), "scatter": ("tree",), "barrier": ("dissemination", "native"),
+    "gather": ("tree", "native"), "scatter": ("tree", "native"),
+    "barrier": ("dissemination", "native"),
 }
 
 

@@ -119,6 +119,16 @@ def copy_rows(dst, copy_to):
         raw(copy_to)[...] = raw(dst).reshape(copy_to.shape)
 
 
+def same_bytes(a, b):
+    """Are arrays a and b (NumPy or CuPy) the very same contiguous bytes?"""
+    if a.nbytes != b.nbytes or not (a.flags.c_contiguous and b.flags.c_contiguous):
+        return False
+    face = "__cuda_array_interface__" if hasattr(a, "__cuda_array_interface__") else \
+        "__array_interface__"
+    other = getattr(b, face, None)
+    return other is not None and getattr(a, face)["data"][0] == other["data"][0]
+
+
 def raw(buf):
     """buf as a data-movement algorithm should copy it: a structured dtype viewed as plain
     void of its itemsize ('V16'), other dtypes as they are (no copy either way).
@@ -224,7 +234,28 @@ def layout(dtype, trail):
 NATIVE_CALLS = {"broadcast": "native_bcast", "reduce": "native_reduce", "scan": "native_scan",
                 "exscan": "native_exscan", "allgather": "native_allgather",
                 "reduce_scatter": "native_reduce_scatter", "alltoall": "native_alltoall",
-                "barrier": "native_barrier"}
+                "barrier": "native_barrier", "gather": "native_gatherv",
+                "scatter": "native_scatterv"}
+
+
+def native_rows(g, collective, algorithm, blocks, host_all, limit):
+    """Does gather's or scatter's data step go by MPI's own call (MPI_Gather(v),
+    MPI_Scatter(v)) rather than ringcoll's tree? blocks: every rank's block in bytes;
+    host_all: every rank's rows are host memory. 'native' always does; auto only where every
+    rank's rows are host memory and the transport has the call, and then as g's tuning table
+    measured this collective at the whole buffer's bytes, or, where it has no such entry, for
+    equal blocks of at most `limit` bytes. Every rank answers alike: blocks, host_all and the
+    table are the same on every rank."""
+    if algorithm == "native":
+        return True
+    if algorithm not in (None, "auto") or not host_all \
+            or not hasattr(g.t, NATIVE_CALLS[collective]):
+        return False
+    found = None if g.tuning is None else \
+        g.tuning.choose_collective(collective, sum(blocks), g.size, g.nodes)
+    if found is not None:
+        return found == "native"
+    return len(set(blocks)) <= 1 and max(blocks, default=0) <= limit
 
 
 def pick_simple(algorithm, names, ctx, g=None, side=None, measured=None):

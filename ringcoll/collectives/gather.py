@@ -12,10 +12,13 @@ plus the counts' exchange, (p-1) a by ringcoll's ring.
 With declared=True on every rank, every rank passes counts= (root's expectations, which the
 others then declare too, as wrap()'s Gather does: MPI_Gather's counts are all the same), and
 the exchange runs once per distinct call (allgather.Rows: declared counts); the same call
-again sends only the data. Under auto, equal blocks of at most NATIVE_MAX bytes in host memory
-then go by MPI_Gather itself, one C call. NATIVE_MAX is a fixed 64 KiB from the sweep in
-bench/README.md: there MPICH's gather beats the tree for small blocks at -n 2 and -n 4 and
-the tree wins from about 128 KiB-2 MiB at -n 4 (at -n 2 it never does: one message either way).
+again sends only the data.
+
+The data step is the tree, or MPI_Gather(v) itself (one C call): with algorithm='native', and
+under auto where every rank's rows are host memory and the tuning table measured MPI's call
+faster at the gathered bytes (_args.native_rows; bench/collectives_sweep.py --write-tuning).
+Without a table entry for this p, auto takes MPI's call for declared equal blocks of at most
+NATIVE_MAX bytes, where the sweep in bench/README.md found it faster at -n 2 and -n 4.
 """
 
 from ..algorithms import COLLECTIVE_ALGORITHMS, native as native_calls, tree
@@ -36,7 +39,9 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
     _args.check_root(g, root, ctx)
-    _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)  # (auto picks per counts: run)
+    if name == "native":
+        native_calls.check(side.t, None, ctx)
     is_root = g.rank == root
     # root's counts are MPI's recvcounts; the others' count only when declared
     expect = expected_counts(g, counts, ctx, declared) if is_root or declared else None
@@ -47,21 +52,19 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
     # the counts (and small rows with them) by MPI's own all-gather under auto where the
     # transport has it: one C call instead of a Python ring (explicit 'tree': ringcoll's ring)
-    mpi = algorithm in (None, "auto") and hasattr(g.t, "native_allgather")
+    mpi = algorithm in (None, "auto", "native") and hasattr(g.t, "native_allgather")
     host = side.device is None
     exchange = Rows(g, x, out, "native" if mpi else "ring", collective=NAME, expect=expect,
                     src=src, key=(int(root),), host=host, declared=declared)
     target = Target(out, x, ctx, side, wanted=is_root)
     problem = declared_problem(ctx, x, out, expect, g.rank)
-    # MPI_Gather for a declared call's small equal blocks, where every rank's are host memory
-    # (the same on every rank: expect, x's row bytes and the agreed host flag are)
-    block = None if expect is None else expect[0] * _args.row_elems(x) * x.dtype.itemsize
-    native = mpi and expect is not None and len(set(expect)) == 1 and block <= NATIVE_MAX
+    row_bytes = _args.row_elems(x) * x.dtype.itemsize
+    chosen = [None, None, False]  # (counts, host_all, whether MPI's call moves them)
     # (MPI forbids a send buffer inside the receive buffer: root's x viewed in out is copied)
     aliased = out is not None and side.xp.may_share_memory(x, out)
-    bound = [(), None]  # MPI_Gather bound to this dst (None on non-roots; never ())
+    bound = [None, None, None]  # MPI's gather bound to (these counts, this dst)
     # once the call is agreed and its result is the same every time (out given, or not root):
-    # MPI_Gather bound and that result. Then a repeat is one dict lookup and MPI's call, while
+    # MPI's gather bound and that result. Then a repeat is one dict lookup and MPI's call, while
     # the agreement still holds (every rank's g.declared forgets it alike: see Rows).
     hot = [None, None]
     sig, agreed = exchange.signature, g.declared.get
@@ -78,19 +81,25 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
             counts, carried = expect, False
         else:
             counts, carried = exchange()  # host numbers
+            host_all = exchange.everyone[1]
         part, result, dst, copy_to = target(counts)
+        if counts is not chosen[0] or host_all is not chosen[1]:  # (alike on every rank)
+            blocks = [c * row_bytes for c in counts]
+            chosen[:] = counts, host_all, _args.native_rows(g, NAME, algorithm, blocks,
+                                                            host_all, NATIVE_MAX)
         if carried:  # every rank's rows came with the counts (small rows, repeated)
             if is_root:
                 exchange.unpack(dst)
-        elif direct and native and host_all:
+        elif chosen[2]:
             if aliased:
-                g.t.native_gather(src.copy(), dst, root)
+                side.t.native_gatherv(src.copy(), dst, part.counts, root)
             else:
-                if bound[0] is not dst:
-                    bound[:] = dst, native_calls.bind(g.t, "native_gather", src, dst, root)
-                bound[1]()
-                if copy_to is None and (out is not None or not is_root):
-                    hot[:] = bound[1], result
+                if bound[0] is not counts or bound[1] is not dst:
+                    bound[:] = counts, dst, native_calls.bind(side.t, "native_gatherv", src,
+                                                              dst, part.counts, root)
+                bound[2]()
+                if direct and copy_to is None and (out is not None or not is_root):
+                    hot[:] = bound[2], result
         else:
             tree.gather(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
@@ -99,5 +108,5 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     # axis 0 may differ between ranks: the fingerprint leaves it out
     fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]),
                           root=int(root), **_args.declared_field(declared))
-    return Plan(NAME, "tree", fields, _args.on_side(run, side),
+    return Plan(NAME, name, fields, _args.on_side(run, side),
                 repeatable=x is given and (out is not None or not is_root))

@@ -31,10 +31,13 @@ and every non-root out=; each record carries a fingerprint of its counts, root c
 against its own, and the header says whether every rank declared (and whether every rank's
 memory is host memory). Then every rank records the call's signature (counts, dtype and row
 shape, memory kind, root) in g.declared, as allgather.Rows does, and the same call again skips
-steps 1 and 2: only the data moves, as in MPI_Scatterv. Under auto, equal blocks of at most
-NATIVE_MAX bytes in host memory then go by MPI_Scatter itself. NATIVE_MAX is a fixed 64 KiB
-from the sweep in bench/README.md: MPICH's scatter beats the tree for small blocks, the tree
-wins from about 32 KiB at -n 2 and 128 KiB-2 MiB at -n 4.
+steps 1 and 2: only the data moves, as in MPI_Scatterv.
+
+Step 3 is the tree, or MPI_Scatter(v) itself: with algorithm='native', and under auto where
+every rank's block is host memory and the tuning table measured MPI's call faster at the
+scattered bytes (_args.native_rows). Without a table entry for this p, auto takes MPI's call
+for declared equal blocks of at most NATIVE_MAX bytes: MPICH's scatter beats the tree for
+small blocks, the tree wins from about 32 KiB at -n 2 and 128 KiB-2 MiB at -n 4.
 
 Cost: 2 ceil(log2 p) a for the agreement, plus ceil(log2 p) a + (n - c_root) b at the root
 for n scattered bytes ((p-1)/p n b for even blocks): root sends every other block once.
@@ -71,7 +74,7 @@ OK, ROWS, LAYOUT, NEEDS_OUT, BAD_COUNTS, OVERLAP, OTHER_COUNTS = range(7)
 
 def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     _args.check_root(g, root, ctx)
-    _args.pick_simple(algorithm, ALGORITHMS, ctx)
+    name = _args.pick_simple(algorithm, ALGORITHMS, ctx)  # (auto picks per counts: move)
     root, p = int(root), g.size
     if g.rank == root:
         if x is None:
@@ -90,6 +93,8 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
             _args.output(out, (out.shape[0],) + x.shape[1:], x.dtype, ctx, side, rows=True)
         elif not writeable(out):
             raise InvalidArgumentError(f"{ctx}out is read-only; pass a writeable array")
+    if name == "native":
+        native_calls.check(side.t, None, ctx)
     layout = 0 if out is None else _args.layout(out.dtype, out.shape[1:])
     src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
     if g.rank == root:
@@ -120,17 +125,38 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
             problem = own if g.rank == root else _block_problem(out, listed, g.rank, root)
     mine = np.array([out is not None, -1 if out is None else out.shape[0], layout,
                      -1 if crc is None else crc, host + 2 * bool(declared)], dtype=np.int64)
-    # once the call is agreed and its block goes by MPI_Scatter into out: that call bound.
+    in_place = g.rank == root and out is not None and side.xp.may_share_memory(x, out)
+    chosen = [None, None, False]  # (part, all_host, whether MPI's call moves them)
+    bound = [None, None, None]  # MPI's scatter bound to (part, dst)
+
+    def move(part, dst, all_host):
+        """The data step, into dst: by MPI's scatter (returned, bound) where native_rows
+        says so, the same on every rank (part and all_host are); else by the tree (None)."""
+        if part is not chosen[0] or all_host is not chosen[1]:
+            blocks = [c * dst.itemsize for c in part.counts]
+            chosen[:] = part, all_host, _args.native_rows(g, NAME, algorithm, blocks,
+                                                          all_host, NATIVE_MAX)
+        if not chosen[2]:
+            tree.scatter(side.t, src, dst, part, root, side.ws)
+            return None
+        if bound[0] is not part or bound[1] is not dst:  # root's own block in x: IN_PLACE
+            bound[:] = part, dst, native_calls.bind(side.t, "native_scatterv", src,
+                                                    None if in_place else dst, part.counts,
+                                                    root)
+        bound[2]()
+        return bound[2]
+
+    # once the call is agreed and its block goes by MPI's scatter into out: that call bound.
     # Then a repeat is one dict lookup and MPI's call, while the agreement holds (every
     # rank's g.declared forgets it alike)
     hot = [None]
     agreed = g.declared.get
-    direct = _direct(g, side, sig, x, out, src, root, algorithm, hot)
+    direct = _direct(g, side, sig, x, out, move, hot)
 
     words = _header_size(p)
     # the agreement by MPI's own gather and broadcast under auto where the transport has
     # them: two C calls instead of two Python trees (explicit 'tree': ringcoll's trees)
-    mpi = algorithm in (None, "auto") and hasattr(g.t, "native_gather")
+    mpi = algorithm in (None, "auto", "native") and hasattr(g.t, "native_gather")
     agree = Agreement(g, mine, root, judge, src, mpi)
     last = [None, None, None]  # the header's numbers last read, what they gave, out's targets
 
@@ -167,7 +193,7 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
         if carried:
             agree.unpack(dst, part)
         else:
-            tree.scatter(side.t, src, dst, part, root, side.ws)
+            move(part, dst, bool(everyone & 2))
         _args.copy_rows(dst, copy_to)
         g.slots[NAME] = next_slot  # the same on every rank: all read the same header
         return result
@@ -177,7 +203,7 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     fields = _args.fields(g, None, root=root, **_args.declared_field(declared))
     # a repeat needs root's src to be x itself (not a copy) and every result the caller's out
     repeatable = out is not None and (g.rank != root or x is given)
-    return Plan(NAME, "tree", fields, _args.on_side(run, side), repeatable=repeatable)
+    return Plan(NAME, name, fields, _args.on_side(run, side), repeatable=repeatable)
 
 
 def _header_size(p):
@@ -197,28 +223,21 @@ def _block_problem(out, counts, rank, root):
     return None
 
 
-def _direct(g, side, sig, x, out, src, root, algorithm, hot):
+def _direct(g, side, sig, x, out, move, hot):
     """The data step alone, for a declared call every rank agreed on before: a function of
-    the agreed "all host memory" that moves this rank's block and returns the result. Equal
-    blocks of at most NATIVE_MAX bytes go by MPI_Scatter under auto where the transport has
-    it and all are host memory (the same on every rank: the signature and that flag are).
-    hot[0] becomes that bound call once it has run into out, with nothing to copy after."""
+    the agreed "all host memory" that moves this rank's block (move) and returns the result.
+    hot[0] becomes MPI's bound call once that has run into out, with nothing to copy after."""
     if sig is None:
         return None
-    counts, rank = sig[1], g.rank
+    counts, rank, root = sig[1], g.rank, sig[4]
     if len(counts) != g.size or min(counts, default=0) < 0:
         return None  # (a bad list: the agreement refuses it, so it is never agreed)
     rows = x if rank == root else out
-    item, row_elems = rows.dtype.itemsize, _args.row_elems(rows)
-    part = Partition([c * row_elems for c in counts])
-    native = (algorithm in (None, "auto") and hasattr(g.t, "native_scatter")
-              and len(set(counts)) == 1 and counts[0] * row_elems * item <= NATIVE_MAX)
-    in_place = rank == root and out is not None and side.xp.may_share_memory(x, out)
+    part = Partition([c * _args.row_elems(rows) for c in counts])
     targets = None  # out's (flat raw buffer, array to copy that into or None), made once
     if out is not None:
         flat, copy_to = _args.rows_target(out)
         targets = _args.raw(flat), copy_to
-    bound = [None, None]  # MPI_Scatter bound to this dst
 
     def direct(all_host):
         if targets is None:  # root without out: a new block each call
@@ -227,15 +246,9 @@ def _direct(g, side, sig, x, out, src, root, algorithm, hot):
             dst = _args.raw(dst)
         else:
             result, (dst, copy_to) = out, targets
-        if native and all_host:  # root's own block in x stays where it is (MPI_IN_PLACE)
-            if bound[0] is not dst:
-                bound[:] = dst, native_calls.bind(g.t, "native_scatter", src,
-                                                  None if in_place else dst, root)
-            bound[1]()
-            if targets is not None and copy_to is None:
-                hot[0] = bound[1]
-        else:
-            tree.scatter(side.t, src, dst, part, root, side.ws)
+        mpi_call = move(part, dst, all_host)
+        if mpi_call is not None and targets is not None and copy_to is None:
+            hot[0] = mpi_call
         _args.copy_rows(dst, copy_to)
         return result
 

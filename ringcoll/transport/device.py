@@ -530,6 +530,14 @@ class _StagedNative(StagedTransport):
         self._native(lambda s, r: self.inner.native_allgather(s, r, counts),
                      (sendbuf, recvbuf), (recvbuf,))
 
+    def native_gatherv(self, sendbuf, recvbuf, counts, root):
+        self._native(lambda s, r: self.inner.native_gatherv(s, r, counts, root),
+                     (sendbuf, recvbuf), (recvbuf,))
+
+    def native_scatterv(self, sendbuf, recvbuf, counts, root):
+        self._native(lambda s, r: self.inner.native_scatterv(s, r, counts, root),
+                     (sendbuf, recvbuf), (recvbuf,))
+
     def native_bcast(self, buf, root):
         self._native(lambda b: self.inner.native_bcast(b, root), (buf,), (buf,))
 
@@ -642,6 +650,12 @@ class _CudaAwareNative(CudaAwareTransport):
 
     def native_allgather(self, sendbuf, recvbuf, counts):
         self._call("native_allgather", sendbuf, recvbuf, counts)
+
+    def native_gatherv(self, sendbuf, recvbuf, counts, root):
+        self._call("native_gatherv", sendbuf, recvbuf, counts, root)
+
+    def native_scatterv(self, sendbuf, recvbuf, counts, root):
+        self._call("native_scatterv", sendbuf, recvbuf, counts, root)
 
     def native_bcast(self, buf, root):
         self._call("native_bcast", buf, root)

@@ -296,10 +296,12 @@ class MPITransport(Transport):
         self.bind_native_allgather(sendbuf, recvbuf, counts)()
 
     def bind_native_allgather(self, sendbuf, recvbuf, counts):
+        """A sendbuf of None means in place: this rank's block is already in recvbuf."""
+        send = MPI.IN_PLACE if sendbuf is None else [sendbuf, BYTE]
         if all(c == counts[0] for c in counts):  # MPICH's Allgatherv is far slower here
-            return partial(self.comm.Allgather, [sendbuf, BYTE], [recvbuf, BYTE])
+            return partial(self.comm.Allgather, send, [recvbuf, BYTE])
         nbytes = [c * recvbuf.itemsize for c in counts]
-        return partial(self.comm.Allgatherv, [sendbuf, BYTE], [recvbuf, nbytes, BYTE])
+        return partial(self.comm.Allgatherv, send, [recvbuf, nbytes, BYTE])
 
     def native_gather(self, sendbuf, recvbuf, root):
         """MPI_Gather of equal blocks as bytes; recvbuf matters on root only (None elsewhere)."""
@@ -319,6 +321,31 @@ class MPITransport(Transport):
             return partial(self.comm.Scatter, [sendbuf, BYTE], MPI.IN_PLACE, root)
         return partial(self.comm.Scatter, None if sendbuf is None else [sendbuf, BYTE],
                        [recvbuf, BYTE], root)
+
+    def native_gatherv(self, sendbuf, recvbuf, counts, root):
+        """MPI_Gather, or MPI_Gatherv where counts (elements, rank by rank) differ, as bytes;
+        recvbuf matters on root only (None elsewhere)."""
+        self.bind_native_gatherv(sendbuf, recvbuf, counts, root)()
+
+    def bind_native_gatherv(self, sendbuf, recvbuf, counts, root):
+        if all(c == counts[0] for c in counts):
+            return self.bind_native_gather(sendbuf, recvbuf, root)
+        recv = None if recvbuf is None else \
+            [recvbuf, [c * recvbuf.itemsize for c in counts], BYTE]
+        return partial(self.comm.Gatherv, [sendbuf, BYTE], recv, root)
+
+    def native_scatterv(self, sendbuf, recvbuf, counts, root):
+        """MPI_Scatter, or MPI_Scatterv where counts (elements, rank by rank) differ, as
+        bytes; sendbuf matters on root only, where a recvbuf of None means in place."""
+        self.bind_native_scatterv(sendbuf, recvbuf, counts, root)()
+
+    def bind_native_scatterv(self, sendbuf, recvbuf, counts, root):
+        if all(c == counts[0] for c in counts):
+            return self.bind_native_scatter(sendbuf, recvbuf, root)
+        send = None if sendbuf is None else \
+            [sendbuf, [c * sendbuf.itemsize for c in counts], BYTE]
+        return partial(self.comm.Scatterv, send,
+                       MPI.IN_PLACE if recvbuf is None else [recvbuf, BYTE], root)
 
     def native_bcast(self, buf, root):
         self.bind_native_bcast(buf, root)()
