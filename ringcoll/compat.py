@@ -933,8 +933,11 @@ class MPICompat:
         copy = None
         if _in_place(sendbuf):  # this rank's block is already in place in recvbuf
             own = flat[displs[rank]:displs[rank] + counts[rank]]
-            send = own.copy()
-            copy = (send, own)
+            if place is None:  # the core writes flat itself: x is its block there (the
+                send = own     # core passes MPI_IN_PLACE on, or copies where it must)
+            else:
+                send = own.copy()
+                copy = (send, own)
         else:
             send = self._moved(sendbuf, "sendbuf")[0]
         # declared (the count exchange once per distinct call): MPI gives every rank the

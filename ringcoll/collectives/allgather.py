@@ -37,9 +37,8 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
     x, side = _args.rows_input(g, x, ctx, movable=True)
     counts = expected_counts(g, counts, ctx, declared)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx, g, side)
-    # an out= that x lives in (wrap()'s Allgather(IN_PLACE), FSDP's all_gather_into_tensor):
-    # MPI forbids aliased buffers, so MPI's call gets it as MPI_IN_PLACE or a copy (_mpi_step)
-    aliased = out is not None and side.xp.may_share_memory(x, out)
+    # (an out= that x lives in, as wrap()'s Allgather(IN_PLACE) and FSDP's
+    # all_gather_into_tensor pass, goes to MPI's call as MPI_IN_PLACE: see _mpi_step)
     measured = (algorithm in (None, "auto") and name == ALGORITHMS[0] and g.tuning is not None
                 and g.tuning.choose_collective(NAME, 0, g.size, g.nodes) is not None)
     if name == "native":
@@ -80,7 +79,7 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
             exchange.unpack(dst)
         elif chosen[1] == "native":
             if bound[0] is not got or bound[1] is not dst:
-                bound[:] = got, dst, _mpi_step(side, src, dst, part, g.rank, aliased)
+                bound[:] = got, dst, _mpi_step(side, src, dst, part, g.rank)
             bound[2]()
             if got is counts and copy_to is None:  # (declared: got is counts when agreed)
                 hot[:] = bound[2], result
@@ -97,34 +96,22 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
                 repeatable=x is given and out is not None)
 
 
-#: gathered bytes from which every rank passes MPI_IN_PLACE to MPI's all-gather (see _mpi_step)
-IN_PLACE_MIN = 65536
-
-
-def _mpi_step(side, src, dst, part, rank, aliased):
+def _mpi_step(side, src, dst, part, rank):
     """MPI's all-gather of src into dst (flat, every rank's rows at part) as one zero-argument
-    call. MPI wants MPI_IN_PLACE on every rank or on none, so the choice goes by what every
-    rank knows alike, the gathered bytes: from IN_PLACE_MIN every rank passes it, having
-    copied its rows into its block of dst unless they are that block already (an in-place
-    call: then there is no copy at all, where MPI's own call would make one); below, src
-    itself, or a copy where it overlaps dst (a small one)."""
+    call. MPI forbids a send buffer that overlaps the receive buffer and wants MPI_IN_PLACE
+    on every rank or on none, so every rank passes MPI_IN_PLACE, having copied its rows into
+    its block of dst unless they are that block already (an in-place call, as wrap()'s
+    Allgather(IN_PLACE) and FSDP's all_gather_into_tensor make: then there is no copy at
+    all). Measured at -n 2 (MPICH), that costs an out-of-place call nothing (8 B: 2.13 against
+    2.07 us; 8 KiB: 5.77 against 5.75) and makes the in-place call 1.2-2x faster than with a
+    copy of src as the send buffer (8 KiB: 4.0 against 6.5 us; MPI's own: 3.2)."""
     mine = dst[part.slices[rank]]
-    if dst.nbytes >= IN_PLACE_MIN:
-        call = native.bind(side.t, "native_allgather", None, dst, part.counts)
-        if _args.same_bytes(src, mine):
-            return call
-
-        def copy_then_gather():
-            mine[...] = src
-            call()
-        return copy_then_gather
-    if not aliased:
-        return native.bind(side.t, "native_allgather", src, dst, part.counts)
-    spare = src.copy()
-    call = native.bind(side.t, "native_allgather", spare, dst, part.counts)
+    call = native.bind(side.t, "native_allgather", None, dst, part.counts)
+    if _args.same_bytes(src, mine):
+        return call
 
     def copy_then_gather():
-        spare[...] = src
+        mine[...] = src
         call()
     return copy_then_gather
 
