@@ -862,8 +862,11 @@ class MPICompat:
         copy = None
         if rank == root and _in_place(sendbuf):  # root's block is in place in recvbuf
             own = flat[displs[root]:displs[root] + counts[root]]
-            send = own.copy()
-            copy = (send, own)
+            if place is None:  # the core writes flat itself: x is its block there (MPI's
+                send = own     # call gets MPI_IN_PLACE, the tree leaves it where it is)
+            else:
+                send = own.copy()
+                copy = (send, own)
         else:
             send = self._moved(sendbuf, "sendbuf")[0]
         if not vector and rank != root:  # MPI_Gather: every block is the size of this one's

@@ -306,6 +306,24 @@ def check_gather(comms, light):
                              and y.tobytes() == expected.tobytes(), f"{label}: wrong result")
                 else:
                     CK.check(y is None, f"{label}: a non-root got {y!r}, not None")
+    # root's x inside its out: its own block (MPI_IN_PLACE for MPI's call) or elsewhere
+    comm = comms["world"]
+    for root, alg, where, rows in itertools.product(roots, GATHER_ALGORITHMS, ("own", "else"),
+                                                    (2, 3000)):
+        counts = [rows + r for r in range(P)]
+        lo, mine = sum(counts[:RANK]), counts[RANK]
+        out = np.zeros(sum(counts)) if RANK == root else None
+        for k in range(2):
+            x = O.make_input(45_500 + k, RANK, (mine,), np.float64)
+            whole = np.concatenate(WORLD.allgather(x))
+            if RANK == root:
+                at = lo if where == "own" or P == 1 else (0 if lo else sum(counts) - mine)
+                out[at:at + mine] = x
+                x = out[at:at + mine]
+            label = f"gather root={root} x in out ({where}) rows={counts} {alg} call {k}"
+            y = CK.attempt(label, lambda: comm.gather(x, root=root, out=out, algorithm=alg))
+            CK.check(y is None if RANK != root else (y is out and np.array_equal(y, whole)),
+                     f"{label}: wrong result")
     y = CK.attempt("0-d", lambda: comms["world"].gather(np.float32(RANK), root=P - 1))
     CK.check((y is None) if RANK != P - 1 else (y is not None and y.tolist() == list(range(P))),
              f"0-d gather: {y}")

@@ -60,7 +60,7 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
     problem = declared_problem(ctx, x, out, expect, g.rank)
     row_bytes = _args.row_elems(x) * x.dtype.itemsize
     chosen = [None, None, False]  # (counts, host_all, whether MPI's call moves them)
-    # (MPI forbids a send buffer inside the receive buffer: root's x viewed in out is copied)
+    # root's x viewed in out (wrap()'s Gather(IN_PLACE)): see _mpi_step
     aliased = out is not None and side.xp.may_share_memory(x, out)
     bound = [None, None, None]  # MPI's gather bound to (these counts, this dst)
     # once the call is agreed and its result is the same every time (out given, or not root):
@@ -91,15 +91,11 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
             if is_root:
                 exchange.unpack(dst)
         elif chosen[2]:
-            if aliased:
-                side.t.native_gatherv(src.copy(), dst, part.counts, root)
-            else:
-                if bound[0] is not counts or bound[1] is not dst:
-                    bound[:] = counts, dst, native_calls.bind(side.t, "native_gatherv", src,
-                                                              dst, part.counts, root)
-                bound[2]()
-                if direct and copy_to is None and (out is not None or not is_root):
-                    hot[:] = bound[2], result
+            if bound[0] is not counts or bound[1] is not dst:
+                bound[:] = counts, dst, _mpi_step(side, src, dst, part, root, aliased)
+            bound[2]()
+            if direct and copy_to is None and (out is not None or not is_root):
+                hot[:] = bound[2], result
         else:
             tree.gather(side.t, src, dst, part, root, side.ws)
         _args.copy_rows(dst, copy_to)
@@ -110,3 +106,21 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
                           root=int(root), **_args.declared_field(declared))
     return Plan(NAME, name, fields, _args.on_side(run, side),
                 repeatable=x is given and (out is not None or not is_root))
+
+
+def _mpi_step(side, src, dst, part, root, aliased):
+    """MPI's gather of src into dst (root's flat result; None elsewhere) as one zero-argument
+    call. MPI forbids a send buffer inside the receive buffer: root's rows that are its block
+    of dst already go as MPI_IN_PLACE (wrap()'s Gather(IN_PLACE): no copy at all), rows
+    elsewhere in dst as a copy, made anew each call (as MPI reads it)."""
+    if not aliased:
+        return native_calls.bind(side.t, "native_gatherv", src, dst, part.counts, root)
+    if _args.same_bytes(src, dst[part.slices[root]]):
+        return native_calls.bind(side.t, "native_gatherv", None, dst, part.counts, root)
+    spare = src.copy()
+    call = native_calls.bind(side.t, "native_gatherv", spare, dst, part.counts, root)
+
+    def copy_then_gather():
+        spare[...] = src
+        call()
+    return copy_then_gather

@@ -304,11 +304,12 @@ class MPITransport(Transport):
         return partial(self.comm.Allgatherv, send, [recvbuf, nbytes, BYTE])
 
     def native_gather(self, sendbuf, recvbuf, root):
-        """MPI_Gather of equal blocks as bytes; recvbuf matters on root only (None elsewhere)."""
+        """MPI_Gather of equal blocks as bytes; recvbuf matters on root only (None elsewhere),
+        where a sendbuf of None means in place (root's block is in recvbuf already)."""
         self.bind_native_gather(sendbuf, recvbuf, root)()
 
     def bind_native_gather(self, sendbuf, recvbuf, root):
-        return partial(self.comm.Gather, [sendbuf, BYTE],
+        return partial(self.comm.Gather, MPI.IN_PLACE if sendbuf is None else [sendbuf, BYTE],
                        None if recvbuf is None else [recvbuf, BYTE], root)
 
     def native_scatter(self, sendbuf, recvbuf, root):
@@ -324,7 +325,7 @@ class MPITransport(Transport):
 
     def native_gatherv(self, sendbuf, recvbuf, counts, root):
         """MPI_Gather, or MPI_Gatherv where counts (elements, rank by rank) differ, as bytes;
-        recvbuf matters on root only (None elsewhere)."""
+        recvbuf matters on root only (None elsewhere), where a sendbuf of None means in place."""
         self.bind_native_gatherv(sendbuf, recvbuf, counts, root)()
 
     def bind_native_gatherv(self, sendbuf, recvbuf, counts, root):
@@ -332,7 +333,8 @@ class MPITransport(Transport):
             return self.bind_native_gather(sendbuf, recvbuf, root)
         recv = None if recvbuf is None else \
             [recvbuf, [c * recvbuf.itemsize for c in counts], BYTE]
-        return partial(self.comm.Gatherv, [sendbuf, BYTE], recv, root)
+        return partial(self.comm.Gatherv, MPI.IN_PLACE if sendbuf is None else [sendbuf, BYTE],
+                       recv, root)
 
     def native_scatterv(self, sendbuf, recvbuf, counts, root):
         """MPI_Scatter, or MPI_Scatterv where counts (elements, rank by rank) differ, as
