@@ -9,18 +9,22 @@ Collectives and what n means (bytes, float64 data):
   allgather, gather                    n = each rank's block (the result is p n)
   scatter, reduce_scatter              n = each rank's block (the input is p n)
   alltoall                             n = each block (every rank sends p blocks of n)
+  alltoallv                            n = each block's base: rank i sends rank j
+                                       n + 8 ((i + j) % 3) bytes (uneven; MPI_Alltoallv)
   barrier                              no data (one row, n = 0)
 
 Per collective and size, in the same rounds: "mpi" (mpi4py's upper-case call on a duplicate
 of COMM_WORLD: MPI_Bcast, MPI_Reduce, MPI_Scan, MPI_Exscan, MPI_Allgather, MPI_Gather,
-MPI_Scatter, MPI_Reduce_scatter_block, MPI_Alltoall, MPI_Barrier), ringcoll's "auto" (the
+MPI_Scatter, MPI_Reduce_scatter_block, MPI_Alltoall, MPI_Alltoallv, MPI_Barrier), ringcoll's
+"auto" (the
 default), its own algorithm ("own": the collective's first, e.g. tree or ring) and, where the
 collective has it, algorithm="native" (ringcoll's adapter over the MPI call). Every ringcoll
 call passes out= and the same arrays each time, as a training loop does (the repeat path).
-allgather, gather and scatter pass counts= and declared=True on every rank: the contract of
-MPI_Allgather, MPI_Gather and MPI_Scatter, whose counts every rank knows, so the ranks agree on
-the counts once and a repeated call moves only the data (--undeclared: without them, the
-general call whose row counts may change from call to call, agreed on every call).
+allgather, gather, scatter and alltoallv pass counts= (alltoallv: recv_counts=) and
+declared=True on every rank: the contract of MPI_Allgather, MPI_Gather, MPI_Scatter and
+MPI_Alltoallv, whose counts every rank knows, so the ranks agree on the counts once and a
+repeated call moves only the data (--undeclared: without them, the general call whose row
+counts may change from call to call, agreed on every call).
 
 Timing: bench/targets.py's time_calls: a warm-up, then shuffled rounds (the same order on
 every rank) of a batch of each call, each after a settling call and a barrier; the time of a
@@ -66,7 +70,7 @@ WORLD = MPI.COMM_WORLD
 SMALL = 64 * 1024  # below: <= 1.5 x MPI; from here up: <= 1.0 x MPI
 LIMITS = (1.5, 1.0)
 ORDER = ("broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter", "alltoall",
-         "scan", "exscan", "barrier")
+         "alltoallv", "scan", "exscan", "barrier")
 
 
 def own_algorithm(name):
@@ -87,6 +91,10 @@ class Setup:
         self.outs = {}  # one out per caller, so no two calls share a result
         # allgather, gather, scatter: MPI's contract (every rank knows the counts), or none
         self.counts, self.declared = ([k] * p, True) if declared else (None, False)
+        # alltoallv: rank i sends rank j k + (i + j) % 3 rows
+        self.sends = [k + (r + j) % 3 for j in range(p)]
+        self.recvs = [k + (i + r) % 3 for i in range(p)]
+        self.xv = ((np.arange(sum(self.sends)) + 5 * r) % 11).astype(np.float64)
 
     def out(self, who, size):
         if who not in self.outs:
@@ -139,6 +147,13 @@ class Setup:
                 o = self.out(alg, k * p)
                 made[alg] = (lambda o=o: mpi.Alltoall(big, o)) if alg == "mpi" else \
                     (lambda o=o, a=a: comm.alltoall(big, out=o, algorithm=a))
+            elif name == "alltoallv":
+                o = self.out(alg, sum(self.recvs))
+                sc, rc, xv = self.sends, self.recvs, self.xv
+                rcd = rc if d else None
+                made[alg] = (lambda o=o: mpi.Alltoallv([xv, sc], [o, rc])) if alg == "mpi" \
+                    else (lambda o=o, a=a: comm.alltoallv(xv, sc, out=o, recv_counts=rcd,
+                                                          algorithm=a, declared=d))
             elif name == "barrier":
                 made[alg] = mpi.Barrier if alg == "mpi" else \
                     (lambda a=a: comm.barrier(algorithm=a))
@@ -226,7 +241,7 @@ def human(n):
 
 
 #: the bytes auto looks up (ringcoll.tuning) per n of this sweep: p n where it is the input or
-#: the gathered result
+#: the gathered result; for alltoallv all that every rank sends, about p p n
 SCALED = ("allgather", "reduce_scatter", "alltoall", "gather", "scatter")
 
 
@@ -242,7 +257,7 @@ def write_tuning(path, rows, comm):
         if not mine:
             continue
         own = own_algorithm(name)
-        scale = comm.size if name in SCALED else 1
+        scale = comm.size if name in SCALED else comm.size ** 2 if name == "alltoallv" else 1
         sizes = [r["bytes"] * scale for r in mine]
         ranges[name] = crossovers(sizes, {a: [r["us"][a] for r in mine] for a in (own, "native")})
     data = {"format": "ringcoll-tuning", "version": 1, "entries": []}

@@ -493,7 +493,7 @@ class Communicator:
         """
         return self._runner.call(collectives.alltoall, x, out, algorithm)
 
-    def alltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None):
+    def alltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None, declared=False):
         """Send counts[j] rows of x to rank j (MPI_Alltoallv): all-to-all with uneven blocks.
 
         x holds this rank's blocks back to back along axis 0: rows 0 .. counts[0]-1 go to
@@ -514,13 +514,22 @@ class Communicator:
                 for MPI_IN_PLACE pass a copy of the buffer as x).
             recv_counts (sequence of int): the rows expected from each rank, checked against
                 what the senders' counts say (None: take what they send).
-            algorithm (str): "pairwise" (also "auto") or "native" (MPI_Alltoallv).
+            algorithm (str): "pairwise" or "native" (MPI_Alltoallv); "auto": MPI's own calls
+                for the count exchange where the transport has them, and for the data where
+                every rank's rows are host memory and the tuning table measured
+                MPI_Alltoallv faster at the bytes all ranks send (without a table entry: up
+                to 64 KiB in all), else pairwise.
+            declared (bool): True on every rank, each passing recv_counts= (MPI_Alltoallv's
+                contract: every rank knows what it sends and receives): the ranks then agree
+                on counts, dtype and row shape once per distinct call, and the same call
+                again sends only the data (see docs/errors.md for what is then no longer
+                checked).
 
         Returns:
             np.ndarray: the received blocks in rank order (block i from rank i), shape
             (sum of received rows,) + x.shape[1:].
 
-        Cost: (p-1) a + 40 (p-1) b for the count exchange (5 int64 per pair), ceil(log2 p) a
+        Cost: (p-1) a + 48 (p-1) b for the count exchange (6 int64 per pair), ceil(log2 p) a
         more when some rank passes recv_counts= or out= (every rank's verdict, all-gathered),
         then at most (p-1) a for the data, empty blocks skipped, each step taking the longer of
         its send and its receive (module ringcoll.collectives.alltoallv has the details).
@@ -531,7 +540,8 @@ class Communicator:
             # rank 0 gets [0, 10], rank 1 gets [1, 2]
             y = comm.alltoallv(x, counts)
         """
-        return self._runner.call(collectives.alltoallv, x, counts, out, recv_counts, algorithm)
+        return self._runner.call(collectives.alltoallv, x, counts, out, recv_counts, algorithm,
+                                 declared)
 
     def gather(self, x, root=0, out=None, algorithm=None, counts=None, declared=False):
         """Concatenate every rank's x along axis 0 on root; the other ranks get None.
@@ -640,10 +650,11 @@ class Communicator:
         return self._start(collectives.reduce_scatter, "ireduce_scatter", x, op, out, algorithm,
                            counts)
 
-    def ialltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None):
+    def ialltoallv(self, x, counts, out=None, recv_counts=None, algorithm=None,
+                   declared=False):
         """Non-blocking alltoallv: a Request; wait() gives the received blocks."""
         return self._start(collectives.alltoallv, "ialltoallv", x, counts, out, recv_counts,
-                           algorithm)
+                           algorithm, declared)
 
     def iallgather(self, x, out=None, algorithm=None, counts=None, declared=False):
         """Non-blocking allgather: a Request; wait() gives the concatenated rows."""

@@ -992,8 +992,10 @@ class MPICompat:
             sflat, scounts, sdispls, _ = self._moved_vector(sendbuf, p, "sendbuf")
             send = _packed(sflat, scounts, sdispls)
         recv, place = _unpacked(flat, rcounts, rdispls)
+        # declared (the count exchange once per distinct call): MPI_Alltoallv's send and
+        # receive counts are known on every rank
         return self._call(blocking, "alltoallv", send, scounts, out=recv, recv_counts=rcounts,
-                          finish=_then(place, unpack))
+                          finish=_then(place, unpack), declared=True)
 
     @_passes_through("Alltoallv")
     def Alltoallv(self, sendbuf, recvbuf):

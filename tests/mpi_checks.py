@@ -1389,8 +1389,8 @@ def check_declared(comms, light):
 
 
 def check_declared_repeats(comms, light):
-    """The repeats of declared allgather, gather and scatter, where the call's plan runs
-    MPI's bound call alone once agreed (their hot path): the very same arrays every call, new
+    """The repeats of declared allgather, gather, scatter and alltoallv, where the call's plan
+    runs MPI's bound call alone once agreed (their hot path): the very same arrays every call, new
     values written into them in place, against mpi4py's calls; between calls, another
     declared call of each collective (another agreed signature), and once more than
     group.DECLARED_LIMIT distinct declared calls, so that every rank forgets the agreement
@@ -1403,6 +1403,8 @@ def check_declared_repeats(comms, light):
         counts = [3] * P
         x, y = np.zeros(3), np.zeros(3 * P)
         src, blk = np.zeros(3 * P), np.zeros(3)
+        a2a_x = np.zeros(sum((RANK + 2 * j) % 3 + 1 for j in range(P)))
+        a2a_y = np.zeros(sum((i + 2 * RANK) % 3 + 1 for i in range(P)))
         for k in range(6):
             label = f"declared repeat root={root} call {k}"
             x[...] = O.make_input(48_000 + k, RANK, (3,), np.float64)
@@ -1430,6 +1432,19 @@ def check_declared_repeats(comms, light):
                             counts=[1] * P, declared=True)
                 comm.scatter(every if RANK == root else None, root=root, counts=[1] * P,
                              out=np.zeros(1), declared=True)
+            # alltoallv: rank i sends rank j (i + 2 j) % 3 + 1 rows, against mpi4py's
+            m = [[(i + 2 * j) % 3 + 1 for j in range(P)] for i in range(P)]
+            sc, rc = m[RANK], [m[q][RANK] for q in range(P)]
+            a2a_x[...] = O.make_input(48_500 + k, RANK, (sum(sc),), np.float64)
+            want = np.empty(sum(rc))
+            WORLD.Alltoallv([a2a_x, sc], [want, rc])
+            send = a2a_x.copy() if k == 5 and RANK == 0 else a2a_x
+            got = comm.alltoallv(send, sc, out=a2a_y, recv_counts=rc, declared=True)
+            CK.check(got is a2a_y and np.array_equal(a2a_y, want), f"{label}: alltoallv wrong")
+            if k == 2:
+                ones = [1] * P
+                comm.alltoallv(np.zeros(P), ones, out=np.zeros(P), recv_counts=ones,
+                               declared=True)
             if k == 4:  # more distinct declared calls than the cache keeps: all forgotten
                 for n in range(1, DECLARED_LIMIT + 2):
                     comm.allgather(np.zeros(n), out=np.zeros(n * P), counts=[n] * P,

@@ -117,7 +117,7 @@ def test_alltoallv_layouts_and_zero_dim(p):
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 7, 8, 16])
 def test_alltoallv_trace(p):
     """Data: rank r sends rank j one message of exactly counts[j] rows' bytes, none for an
-    empty block or to itself. Counts: p - 1 messages of 40 bytes (5 int64) from each rank,
+    empty block or to itself. Counts: p - 1 messages of 48 bytes (6 int64) from each rank,
     one to every other rank. Verdict: none unless some rank passes recv_counts= or out=;
     then each rank sends ceil(log2 p) messages and receives 8 (p - 1) bytes (Bruck)."""
     rng = np.random.default_rng([p, 7])
@@ -140,7 +140,7 @@ def test_alltoallv_trace(p):
             if i != j and C[i, j]), seq
         counts = part.select(tag="counts").messages
         assert sorted((m.src, m.dst, m.nbytes) for m in counts) == sorted(
-            (i, j, 40) for i in range(p) for j in range(p) if i != j)
+            (i, j, 48) for i in range(p) for j in range(p) if i != j)
         verdict = part.select(tag="verdict")
         if seq == first:
             assert not verdict.messages and not verdict.receives

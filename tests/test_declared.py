@@ -1,5 +1,5 @@
-"""Declared counts (allgather.Rows, scatter's agreement): allgather, gather and scatter with
-declared=True on every rank agree on counts, dtype and row shape once per distinct call, and
+"""Declared counts (allgather.Rows, scatter's agreement, alltoallv's Counts): allgather, gather,
+scatter and alltoallv with declared=True on every rank agree on counts, dtype and row shape once per distinct call, and
 the same call again moves only the data. These tests hold every declared call to NumPy's
 answer on every rank while counts, dtypes, roots and memory change between calls (declared
 and undeclared calls of the same counts mixed, other collectives in between, fresh arrays
@@ -100,6 +100,84 @@ def test_a_repeated_declared_call_sends_only_its_data(p):
         # the rows only: 24-byte blocks, or a tree's bundle of several (multiples of 24)
         assert second and all(n % 24 == 0 and n <= 24 * p for n in second), \
             f"rank {rank}: the repeat sent more than rows: {second}"
+
+
+def matrix(p, k):
+    """Rows rank i sends rank j at call k (zeros among them): M[i][j]."""
+    return [[(i + 2 * j + k) % 3 for j in range(p)] for i in range(p)]
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_declared_alltoallv_gives_numpys_answer(p):
+    """alltoallv with declared=True (and recv_counts=) on every rank, the counts matrix
+    changing between calls and each call made three times (declared twice: the second skips
+    the exchange; then undeclared), with the same arrays: every rank gets its column of
+    blocks, in rank order, in int64 and in a padded struct; and traced, a repeat sends only
+    the data blocks (no count exchange, no verdict)."""
+    def body(comm):
+        r, ok, keep = comm.rank, [], {}
+        for k in range(5):
+            m = matrix(p, k % 3)  # calls 3 and 4 repeat calls 0 and 1's counts
+            counts, recv = m[r], [m[q][r] for q in range(p)]
+            for dtype in (np.int64, REC):
+                key = (k % 3, np.dtype(dtype).str)
+                mine = rows(r, k, sum(counts), dtype)
+                if key not in keep:
+                    keep[key] = (np.empty_like(mine), np.empty(sum(recv), mine.dtype)
+                                 if dtype == REC else np.empty((sum(recv), 2), dtype))
+                x, y = keep[key]
+                x[...] = mine
+                starts = [[sum(m[q][:j]) for j in range(p)] for q in range(p)]
+                want = np.concatenate(
+                    [rows(q, k, sum(m[q]), dtype)[starts[q][r]:starts[q][r] + m[q][r]]
+                     for q in range(p)])
+                for i in range(3):
+                    with comm.trace() as trace:
+                        got = comm.alltoallv(x, counts, out=y, recv_counts=recv,
+                                             declared=i < 2)
+                    ok.append((k, np.dtype(dtype).str, i, got is y
+                               and got.tobytes() == want.tobytes()))
+                    if i == 1:  # the repeat: the data blocks alone (none to itself)
+                        sent = sorted(m_.nbytes for m_ in trace.messages)
+                        item = x.dtype.itemsize * (1 if dtype == REC else 2)
+                        data = sorted(c * item for j, c in enumerate(counts) if c and j != r)
+                        ok.append((k, "repeat traffic", sent, sent == data))
+        return ok
+
+    for rank, made in enumerate(run(p, body)):
+        bad = [m[:-1] for m in made if not m[-1]]
+        assert not bad, f"rank {rank}: wrong at {bad}"
+
+
+def test_declared_alltoallv_needs_and_checks_recv_counts():
+    """declared=True without recv_counts is refused before anything is sent; recv_counts that
+    contradict what the others send are refused on every rank on the first call; once
+    agreed, an out= that contradicts the agreed recv_counts raises on its rank (the job
+    ends: the others get PeerFailedError from the thread world)."""
+    expect_error_on_every_rank(3, lambda c: c.alltoallv(np.zeros(3), [1, 1, 1], declared=True),
+                               ringcoll.InvalidArgumentError, "declared=True needs recv_counts")
+
+    def wrong_recv(comm):
+        recv = [1, 2, 1] if comm.rank == 2 else [1, 1, 1]
+        return comm.alltoallv(np.zeros(3), [1, 1, 1], recv_counts=recv, declared=True)
+
+    errors = per_rank(3, wrong_recv)
+    assert isinstance(errors[2], ringcoll.CollectiveMismatchError), errors[2]
+    for r in (0, 1):
+        assert isinstance(errors[r], ringcoll.PeerFailedError) and "[2]" in str(errors[r])
+
+    def contradicts(comm):
+        comm.alltoallv(np.zeros(3), [1, 1, 1], out=np.empty(3), recv_counts=[1, 1, 1],
+                       declared=True)
+        out = np.empty(4 if comm.rank == 1 else 3)
+        return comm.alltoallv(np.zeros(3), [1, 1, 1], out=out, recv_counts=[1, 1, 1],
+                              declared=True)
+
+    errors = per_rank(3, contradicts)
+    assert isinstance(errors[1], ringcoll.InvalidArgumentError), errors[1]
+    assert "recv_counts adds up to 3 rows" in str(errors[1])
+    for r in (0, 2):
+        assert isinstance(errors[r], ringcoll.PeerFailedError), f"rank {r}: {errors[r]!r}"
 
 
 def test_declared_needs_its_counts():

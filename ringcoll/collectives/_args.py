@@ -235,27 +235,25 @@ NATIVE_CALLS = {"broadcast": "native_bcast", "reduce": "native_reduce", "scan": 
                 "exscan": "native_exscan", "allgather": "native_allgather",
                 "reduce_scatter": "native_reduce_scatter", "alltoall": "native_alltoall",
                 "barrier": "native_barrier", "gather": "native_gatherv",
-                "scatter": "native_scatterv"}
+                "scatter": "native_scatterv", "alltoallv": "native_alltoallv"}
 
 
-def native_rows(g, collective, algorithm, blocks, host_all, limit):
-    """Does gather's or scatter's data step go by MPI's own call (MPI_Gather(v),
-    MPI_Scatter(v)) rather than ringcoll's tree? blocks: every rank's block in bytes;
-    host_all: every rank's rows are host memory. 'native' always does; auto only where every
-    rank's rows are host memory and the transport has the call, and then as g's tuning table
-    measured this collective at the whole buffer's bytes, or, where it has no such entry, for
-    equal blocks of at most `limit` bytes. Every rank answers alike: blocks, host_all and the
-    table are the same on every rank."""
+def native_rows(g, collective, algorithm, nbytes, host_all, fallback):
+    """Does the data step of gather, scatter or alltoallv go by MPI's own call
+    (MPI_Gather(v), MPI_Scatter(v), MPI_Alltoallv) rather than ringcoll's algorithm? nbytes:
+    the bytes the tuning table looks up (the whole buffer's); host_all: every rank's rows are
+    host memory. 'native' always does; auto only where every rank's rows are host memory
+    and the transport has the call, and then as g's tuning table measured this collective at
+    nbytes, or, where it has no such entry, as `fallback` says. Every rank answers alike: the
+    arguments and the table are the same on every rank."""
     if algorithm == "native":
         return True
     if algorithm not in (None, "auto") or not host_all \
             or not hasattr(g.t, NATIVE_CALLS[collective]):
         return False
     found = None if g.tuning is None else \
-        g.tuning.choose_collective(collective, sum(blocks), g.size, g.nodes)
-    if found is not None:
-        return found == "native"
-    return len(set(blocks)) <= 1 and max(blocks, default=0) <= limit
+        g.tuning.choose_collective(collective, nbytes, g.size, g.nodes)
+    return fallback if found is None else found == "native"
 
 
 def pick_simple(algorithm, names, ctx, g=None, side=None, measured=None):

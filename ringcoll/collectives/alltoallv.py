@@ -6,11 +6,12 @@ counts, but dtype and trailing shape (all but axis 0) must agree.
 
 Schedule, every rank (p ranks, n_s / n_r the bytes this rank sends to / receives from the
 others):
-1. counts: a pairwise exchange (algorithms/alltoall.py, Tag.COUNTS) of 5 int64 per pair: the
+1. counts: a pairwise exchange (algorithms/alltoall.py, Tag.COUNTS) of 6 int64 per pair: the
    rows this rank sends that peer, its row size, ndim and a CRC of dtype and trailing shape,
-   and whether it passed recv_counts= or out=. Cost (p-1) a + 40 (p-1) b. Every rank sent its
-   layout to every rank, so if any two ranks disagree on it, every rank sees a peer that
-   differs and all raise CollectiveMismatchError here.
+   bits (it passed recv_counts= or out=, it declared, its rows are host memory) and all the
+   rows it sends. Cost (p-1) a + 48 (p-1) b. Every rank sent its layout to every rank, so if
+   any two ranks disagree on it, every rank sees a peer that differs and all raise
+   CollectiveMismatchError here.
 2. verdict, only if some rank passed recv_counts= or out= (every rank knows that after step
    1, so all take this step or none): Bruck's all-gather (algorithms/bruck.py, Tag.VERDICT) of
    one int64 per rank saying whether its recv_counts match what the senders send and out= has
@@ -20,14 +21,24 @@ others):
 3. data: the pairwise exchange of the blocks (algorithms/alltoall.py alltoallv): at most
    (p-1) a + sum over steps s of max(bytes to r+s, bytes from r-s) b, which lies between
    max(n_s, n_r) b and (n_s + n_r) b; empty blocks are skipped on both sides.
-In all, at most 2(p-1) a + 40 (p-1) b + the data's bytes without recv_counts=/out= on any
+In all, at most 2(p-1) a + 48 (p-1) b + the data's bytes without recv_counts=/out= on any
 rank, and ceil(log2 p) a + 8 (p-1) b more with them.
 
 "native": step 1 by MPI_Alltoall, step 2 by MPI_Allgather, step 3 by MPI_Alltoallv (the
 bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step. Under
 auto, steps 1 and 2 (a few numbers each) go by those MPI calls too where the transport has
-them, and step 3 is the pairwise exchange. The steps are built once per plan (Counts): a
-repeated call judges the exchanged numbers again only when they differ from the last ones.
+them, and step 3 is MPI_Alltoallv where every rank's rows are host memory and the tuning
+table measured it faster at the bytes all ranks send (every rank knows them after step 1;
+without a table entry, up to NATIVE_MAX bytes), else the pairwise exchange. The steps are
+built once per plan (Counts): a repeated call judges the exchanged numbers again only when
+they differ from the last ones.
+
+Declared counts: with declared=True on every rank, each passing recv_counts= (MPI's contract:
+every rank knows what it sends and what it receives), the ranks agree once per distinct call:
+after steps 1 and 2 found every rank's call right, each records the call's signature (its
+counts and recv_counts, dtype and row shape, memory kind) in g.declared, as allgather.Rows
+does, and the same call again is step 3 alone. What a rank that then passes something else
+breaks is in docs/errors.md.
 """
 
 
@@ -47,17 +58,25 @@ ALGORITHMS = COLLECTIVE_ALGORITHMS[NAME]
 #: positions of the plan's arguments that are arrays (see runner.Repeat)
 BUFFERS = (0, 2)
 
+#: the most bytes (all ranks' blocks together) auto sends by MPI_Alltoallv where the tuning
+#: table has no alltoallv entry for this p (and every rank's rows are host memory)
+NATIVE_MAX = 65536
+
 # a rank's verdict on its own call after the count exchange (step 2)
 FINE, WRONG_RECV_COUNTS, WRONG_OUT = 0, 1, 2
 
 
-def plan(g, ctx, x, counts, out, recv_counts, algorithm):
+def plan(g, ctx, x, counts, out, recv_counts, algorithm, declared=False):
     given = x
     x, side = _args.rows_input(g, x, ctx, movable=True)
     name = _args.pick_simple(algorithm, ALGORITHMS, ctx)
     counts = _args.counts(counts, g.size, ctx, total=x.shape[0])
     if recv_counts is not None:
         recv_counts = _args.counts(recv_counts, g.size, ctx, name="recv_counts")
+    elif declared:
+        raise InvalidArgumentError(f"{ctx}declared=True needs recv_counts= (the rows each rank "
+                                   "sends this one), on every rank; pass them or leave "
+                                   "declared out")
     if name == "native":
         native.check(side.t, None, ctx)
     if out is not None:  # all but its row count can be checked now; that comes in step 2
@@ -68,16 +87,45 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
                 f"{ctx}out overlaps x; alltoallv has no in-place form: pass a separate out "
                 "(for MPI_IN_PLACE, pass a copy of the buffer as x)")
     row = _args.row_elems(x)
+    row_bytes = row * x.dtype.itemsize
     send = side.ws.cached(("alltoallv", tuple(counts), row),
                           lambda: Partition([c * row for c in counts]))
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
+    host = side.device is None
+    # declared (see the module doc): the signature, and what this rank's out= contradicts in
+    # its recv_counts, raised only when the call skips the exchange
+    sig = problem = None
+    if declared and not g.options.debug:  # (debug mode agrees on every call)
+        sig = (NAME, tuple(counts), tuple(recv_counts), _args.layout(x.dtype, x.shape[1:]),
+               host)
+        if out is not None and out.shape[0] != sum(recv_counts):
+            problem = (f"{ctx}out has shape {out.shape}, but recv_counts adds up to "
+                       f"{sum(recv_counts)} rows; pass out of shape "
+                       f"{(sum(recv_counts),) + x.shape[1:]} or out=None")
 
     mpi = name == "native" or (algorithm in (None, "auto") and hasattr(g.t, "native_alltoall"))
-    exchange = Counts(g, x, counts, out, recv_counts, "native" if mpi else name)
+    exchange = Counts(g, x, counts, out, recv_counts, "native" if mpi else name, host,
+                      declared, sig)
     last = [None, None]  # the counts last got, and (recv, result, dst, copy_to) for out=
+    chosen = [None, None, False]  # (got, (all host, total bytes), whether MPI's call moves)
+    bound = [None, None, None]  # MPI_Alltoallv bound to (got, dst)
+    # once the call is agreed and MPI's call moves it into out: that call bound, and the
+    # agreement it was decided under. Then a repeat is one dict lookup and MPI's call
+    hot = [None, None]
+    agreed = g.declared.get
 
     def run():
-        got = exchange()  # host numbers, host transport
+        if hot[0] is not None and agreed(sig) is hot[1]:
+            hot[0]()
+            return out
+        found = None if sig is None else agreed(sig)  # (all host memory, total bytes)
+        if found is not None:  # declared and agreed on before: no exchange
+            if problem is not None:
+                raise InvalidArgumentError(problem)  # (the others are sending: abort)
+            got, everyone = recv_counts, found
+        else:
+            got = exchange()  # host numbers, host transport
+            everyone = exchange.everyone
         if got is last[0]:
             recv, result, dst, copy_to = last[1]
         else:
@@ -88,15 +136,26 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
             dst = _args.raw(dst)
             if out is not None:
                 last[:] = got, (recv, result, dst, copy_to)
-        if name == "native":
-            side.t.native_alltoallv(src, send.counts, dst, recv.counts)
+        if got is not chosen[0] or everyone != chosen[1]:  # (alike on every rank)
+            host_all, total = everyone
+            chosen[:] = got, everyone, _args.native_rows(
+                g, NAME, algorithm, total * row_bytes, host_all,
+                fallback=total * row_bytes <= NATIVE_MAX)
+        if chosen[2]:
+            if bound[0] is not got or bound[1] is not dst:
+                bound[:] = got, dst, native.bind(side.t, "native_alltoallv", src, send.counts,
+                                                 dst, recv.counts)
+            bound[2]()
+            if found is not None and out is not None and copy_to is None:
+                hot[:] = bound[2], found
         else:
             pairwise.alltoallv(side.t, src, send, dst, recv)
         _args.copy_rows(dst, copy_to)
         return result
 
     # axis 0 and the counts differ between ranks: the fingerprint leaves them out
-    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]))
+    fields = _args.fields(g, side, dtype=_args.dtype_key(x.dtype), row_shape=list(x.shape[1:]),
+                          **_args.declared_field(declared))
     return Plan(NAME, name, fields, _args.on_side(run, side),
                 repeatable=x is given and out is not None)
 
@@ -104,20 +163,27 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm):
 class Counts:
     """Steps 1 and 2 of the module docstring, built once per plan: calling it returns the rows
     each rank sends this one (in rank order; the very same list while they repeat), once every
-    rank knows that the call is consistent; else every rank raises."""
+    rank knows that the call is consistent; else every rank raises. Then `everyone` is (every
+    rank's rows are host memory, the rows all ranks send), the same on every rank; and where
+    every rank declared, the call's signature is recorded in g.declared with it."""
 
-    def __init__(self, g, x, counts, out, recv_counts, name):
+    def __init__(self, g, x, counts, out, recv_counts, name, host=True, declared=False,
+                 sig=None):
         p = g.size
         self.g, self.x, self.out, self.recv_counts, self.name = g, x, out, recv_counts, name
+        self.sig = sig
         layout = _args.layout(x.dtype, x.shape[1:])
         checking = int(recv_counts is not None or out is not None)
-        self.mine = np.empty((p, 5), np.int64)  # row j: what rank j gets from this rank
+        self.mine = np.empty((p, 6), np.int64)  # row j: what rank j gets from this rank
         self.mine[:, 0] = counts
-        self.mine[:, 1:] = [_args.row_elems(x), x.ndim, layout, checking]
+        # bits: something to check (1), declared (2), host memory (4); this rank's rows
+        self.mine[:, 1:] = [_args.row_elems(x), x.ndim, layout,
+                            checking + 2 * bool(declared) + 4 * bool(host), sum(counts)]
         self.theirs = np.empty_like(self.mine)  # row i: what rank i sent this rank
         self.part = g.host.ws.partition(self.mine.size, p)
         self.own, self.every = np.zeros(1, np.int64), np.empty(p, np.int64)
         self.seen, self.got, self.verdict = None, None, FINE
+        self.everyone = None
 
     def __call__(self):
         g, mine, theirs = self.g, self.mine, self.theirs
@@ -131,16 +197,19 @@ class Counts:
                                             self.recv_counts)
             self.own[0] = self.verdict
             self.seen = numbers
-        if not theirs[:, 4].any():  # no rank has anything to check: no verdict to share
-            return self.got
-        if self.name == "native":
-            g.t.native_allgather(self.own, self.every, [1] * g.size)
-            every = self.every
-        else:
-            every = bruck.allgather(g.t, self.own, Tag.VERDICT)[:, 0]
-        if self.verdict != FINE or every.any():
-            self.seen = None  # (judged again next time, to raise with the right context)
-            _refuse(g, self.verdict, every, self.got, self.x, self.out, self.recv_counts)
+            bits = theirs[:, 4]
+            self.everyone = (bool((bits & 4).all()), int(theirs[:, 5].sum()))
+        if (theirs[:, 4] & 1).any():  # some rank has something to check: share the verdicts
+            if self.name == "native":
+                g.t.native_allgather(self.own, self.every, [1] * g.size)
+                every = self.every
+            else:
+                every = bruck.allgather(g.t, self.own, Tag.VERDICT)[:, 0]
+            if self.verdict != FINE or every.any():
+                self.seen = None  # (judged again next time, to raise with the right context)
+                _refuse(g, self.verdict, every, self.got, self.x, self.out, self.recv_counts)
+        if self.sig is not None and (theirs[:, 4] & 2).all():  # agreed: skip it from now on
+            g.declared[self.sig] = self.everyone
         return self.got
 
 

@@ -84,9 +84,10 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
             host_all = exchange.everyone[1]
         part, result, dst, copy_to = target(counts)
         if counts is not chosen[0] or host_all is not chosen[1]:  # (alike on every rank)
-            blocks = [c * row_bytes for c in counts]
-            chosen[:] = counts, host_all, _args.native_rows(g, NAME, algorithm, blocks,
-                                                            host_all, NATIVE_MAX)
+            small = len(set(counts)) <= 1 and max(counts, default=0) * row_bytes <= NATIVE_MAX
+            chosen[:] = counts, host_all, _args.native_rows(g, NAME, algorithm,
+                                                            sum(counts) * row_bytes, host_all,
+                                                            fallback=small)
         if carried:  # every rank's rows came with the counts (small rows, repeated)
             if is_root:
                 exchange.unpack(dst)

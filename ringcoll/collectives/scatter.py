@@ -134,8 +134,9 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
         says so, the same on every rank (part and all_host are); else by the tree (None)."""
         if part is not chosen[0] or all_host is not chosen[1]:
             blocks = [c * dst.itemsize for c in part.counts]
-            chosen[:] = part, all_host, _args.native_rows(g, NAME, algorithm, blocks,
-                                                          all_host, NATIVE_MAX)
+            small = len(set(blocks)) <= 1 and max(blocks, default=0) <= NATIVE_MAX
+            chosen[:] = part, all_host, _args.native_rows(g, NAME, algorithm, sum(blocks),
+                                                          all_host, fallback=small)
         if not chosen[2]:
             tree.scatter(side.t, src, dst, part, root, side.ws)
             return None

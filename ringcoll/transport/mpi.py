@@ -372,7 +372,11 @@ class MPITransport(Transport):
     def native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
         """MPI_Alltoallv; counts in elements of the buffers' dtype, blocks back to back. The
         bytes travel as MPI.BYTE, as the point-to-point calls do, so any dtype travels."""
-        self.comm.Alltoallv(_bytes_spec(sendbuf, sendcounts), _bytes_spec(recvbuf, recvcounts))
+        self.bind_native_alltoallv(sendbuf, sendcounts, recvbuf, recvcounts)()
+
+    def bind_native_alltoallv(self, sendbuf, sendcounts, recvbuf, recvcounts):
+        return partial(self.comm.Alltoallv, _bytes_spec(sendbuf, sendcounts),
+                       _bytes_spec(recvbuf, recvcounts))
 
     def native_barrier(self):
         self.comm.Barrier()
