@@ -162,7 +162,7 @@ def test_collectives_sweep_runs_every_collective_and_checks_against_mpi(p, tmp_p
     data = json.loads(out.read_text())
     names = {r["collective"] for r in data["rows"]}
     assert names == {"broadcast", "reduce", "allgather", "gather", "scatter", "reduce_scatter",
-                     "alltoall", "scan", "exscan", "barrier"}, names
+                     "alltoall", "alltoallv", "scan", "exscan", "barrier"}, names
     assert all(r["wrong"] == 0 for r in data["rows"]) and "0 wrong element(s)" in log, log
     import ringcoll
 
