@@ -39,8 +39,8 @@ its own p and node shape and keeps the others. An entry, of which only "p", "nod
 
 A mode that is missing uses the other mode's ranges.
 
-The other collectives (broadcast, reduce, allgather, reduce_scatter, alltoall, barrier, scan,
-exscan: those with a "native" algorithm) choose between their own algorithm and the MPI
+The other collectives (broadcast, reduce, allgather, gather, scatter, reduce_scatter, alltoall,
+alltoallv, barrier, scan, exscan) choose between their own algorithm and the MPI
 library's from an entry's optional "collectives", which bench/collectives_sweep.py
 --write-tuning measures and writes (tune keeps it when it replaces the entry):
 
@@ -48,7 +48,8 @@ library's from an entry's optional "collectives", which bench/collectives_sweep.
                   "allgather": [[67108864, "native"]], ...}
 
 nbytes is what every rank agrees on: the buffer (broadcast, reduce, scan, exscan), the input
-(reduce_scatter, alltoall), the gathered result (allgather), 0 for barrier. A collective the
+(reduce_scatter, alltoall), the gathered or scattered rows (allgather, gather, scatter), all
+that every rank sends (alltoallv), 0 for barrier. A collective the
 entry does not list, or a p without an entry, runs its own algorithm (the first of its
 ALGORITHMS) under auto. An entry may hold only "collectives", then the all-reduce uses the
 cost model. "model" holds the fitted alpha (s per
