@@ -115,7 +115,8 @@ class Repeat:
         first (the very same objects, unchanged), then the whole tuple in one C comparison,
         which takes an identical item as equal without calling its __eq__ (so the arrays,
         found identical, are not compared elementwise) and compares the rest by value: a
-        list of counts with the kept list, root with root, None with None."""
+        list of counts with the kept list, root with root, None with None. Counts given as
+        an array are compared as freeze keeps them."""
         kept = self.args
         for i, dtype, shape in self.layouts:
             given = args[i]
@@ -123,8 +124,10 @@ class Repeat:
                 return False
         try:
             return args == kept
-        except Exception:  # an array where a value was kept: its == is elementwise, with no
-            return False   # truth value (or a broadcasting error): a mismatch, not an error
+        except Exception:  # an array among the values (counts): its == is elementwise,
+            # without one truth value, so each value is compared frozen, as it was kept
+            return len(args) == len(kept) and all(
+                given is mine or freeze(given) == mine for given, mine in zip(args, kept))
 
 
 #: the runner's Replay when there is none: its x is no caller's array, so nothing matches

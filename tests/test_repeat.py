@@ -149,9 +149,9 @@ def test_a_repeat_skips_the_planning_and_a_changed_call_plans_anew(p, monkeypatc
 
 def test_repeat_matching_of_every_kind_of_argument():
     """Repeat.matches alone (its one C comparison of the whole tuple): equal values match,
-    whatever their type's spelling (numpy ints); another value, another container type, an
-    array where a value or None was, another array, or an array changed in place do not
-    (and nothing raises: an array's == has no truth value)."""
+    whatever their type's spelling (numpy ints), counts given as an array too; another
+    value, another container type, an array where a value or None was, another array, or an
+    array changed in place do not (and nothing raises: an array's == has no truth value)."""
     from ringcoll.runner import Plan, Repeat
 
     x, out = np.zeros(4), np.zeros(4)
@@ -164,6 +164,10 @@ def test_repeat_matching_of_every_kind_of_argument():
                   True), (x, 0, np.zeros(4), None, [2, 2], True), (x, 0, out, None, [2, 2]),
                   (np.zeros(4), 0, out, None, [2, 2], True)]:
         assert not made.matches(other), other
+    counted = Repeat((x, np.array([2, 3])), (0,), Plan("t", None, None, None))
+    assert counted.matches((x, np.array([2, 3])))  # counts as an array: compared frozen
+    assert not counted.matches((x, np.array([2, 4])))
+    assert not counted.matches((x, [2, 3]))  # a list where an array (kept as a tuple) was
     left_out = Repeat((x, 0, None), (0, 2), Plan("t", None, None, None))
     assert left_out.matches((x, 0, None))
     assert not left_out.matches((x, 0, out))
