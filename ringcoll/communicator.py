@@ -97,11 +97,9 @@ class Communicator:
             raise InvalidArgumentError(
                 f"unknown all-reduce algorithm {options.algorithm!r} (from algorithm= or "
                 f"RINGCOLL_ALGO); choose one of {ALLREDUCE_NAMES}")
-        # The shipped table was measured over MPI (native_allreduce marks that transport);
-        # threads in one process time nothing like it, so they get it only when asked to.
-        # Read before MPI is touched: a bad file fails fast, with nothing to clean up.
-        table = resolve_tuning(options.tuning, builtin=transport is None
-                               or hasattr(transport, "native_allreduce"))
+        # A table given is read before MPI is touched: a bad file fails fast, with nothing to
+        # clean up. The shipped ones come after the transport, which names its MPI library.
+        table = resolve_tuning(options.tuning, builtin=None)
         if transport is None:
             # only the MPI path needs mpi4py
             from .transport.mpi import MPITransport, PollingMPITransport
@@ -116,6 +114,10 @@ class Communicator:
         elif comm is not None:
             raise InvalidArgumentError("pass either an MPI communicator or a transport, not both")
         self.rank, self.size = transport.rank, transport.size
+        if options.tuning is None and hasattr(transport, "native_allreduce"):
+            # the shipped tables were measured over MPI, one per MPI library; threads in one
+            # process time nothing like them, so they get one only when asked to
+            table = resolve_tuning(None, builtin=getattr(transport, "library", str)())
         fitted = table.cost_model(self.size) if table is not None else None
         self._g = Group(transport, options, _find_nodes(options, transport), table,
                         cost_model or fitted or CostModel())

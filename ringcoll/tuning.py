@@ -21,10 +21,11 @@ Where the table comes from (config.py reads the variable):
 
   Communicator(tuning=...)   a path, a Tuning, or False / "none" for no table at all;
   RINGCOLL_TUNING=path       the same for every communicator ("none": no table);
-  neither                    the table shipped with ringcoll (tuning_default.json, measured
-                             on its 2-core development machine with the embedded MPICH), used
-                             on the MPI transport only: thread-transport timings are nothing
-                             like it.
+  neither                    the table shipped with ringcoll for this MPI library
+                             (tuning_openmpi.json for Open MPI, else tuning_default.json,
+                             measured with the embedded MPICH; both on its 2-core development
+                             machine), used on the MPI transport only: thread-transport
+                             timings are nothing like it.
 
 The file (format "ringcoll-tuning", version 1) holds one entry per (p, node shape), so one file
 serves every process count of a machine; re-running tune with the same -o replaces the entry of
@@ -71,7 +72,9 @@ from .errors import RingcollError
 
 FORMAT = "ringcoll-tuning"
 VERSION = 1
-BUILTIN = "tuning_default.json"  # package data next to this module
+BUILTIN = "tuning_default.json"  # package data next to this module (measured with MPICH)
+#: the built-in tables measured with other MPI libraries, by how their version string starts
+BUILTIN_BY_LIBRARY = {"Open MPI": "tuning_openmpi.json"}
 MODES = ("outofplace", "inplace")
 OFF = ("none", "off", "false", "0")  # RINGCOLL_TUNING values that mean: no table
 REGENERATE = "mpiexec -n P python -m ringcoll.tune -o FILE"
@@ -186,13 +189,17 @@ class Tuning:
         return cls(tables, source)
 
     @classmethod
-    def builtin(cls):
-        """The table shipped with ringcoll (measured on its development machine); no tables
-        while the file is absent, as during its regeneration (see ringcoll.tune)."""
-        ref = resources.files(__package__).joinpath(BUILTIN)
+    def builtin(cls, library=""):
+        """The table shipped with ringcoll for this MPI library (its version string, as
+        MPITransport.library() gives it: Open MPI's own table, else the MPICH one), measured
+        on ringcoll's development machine; no tables while the file is absent, as during its
+        regeneration (see ringcoll.tune)."""
+        name = next((f for start, f in BUILTIN_BY_LIBRARY.items() if library.startswith(start)),
+                    BUILTIN)
+        ref = resources.files(__package__).joinpath(name)
         if not ref.is_file():
-            return cls([], f"ringcoll/{BUILTIN} (absent)")
-        return cls.loads(ref.read_text(encoding="utf-8"), f"ringcoll/{BUILTIN}")
+            return cls([], f"ringcoll/{name} (absent)")
+        return cls.loads(ref.read_text(encoding="utf-8"), f"ringcoll/{name}")
 
     # -- looking up ---------------------------------------------------------------------------
     def table(self, p, nodes):
@@ -226,11 +233,13 @@ class Tuning:
 def resolve(tuning, builtin):
     """The Tuning a Communicator uses, from its tuning= option (or RINGCOLL_TUNING).
 
-    None: the built-in table where `builtin` (an MPI transport, where it was measured), else
-    none; False or "none": no table; a path: that file; a Tuning: itself; a dict: parsed.
+    None: the built-in table for the MPI library `builtin` names (its version string; ""
+    for the MPICH table), or none where builtin is None (not an MPI transport: the tables
+    were measured over MPI); False or "none": no table; a path: that file; a Tuning:
+    itself; a dict: parsed.
     """
     if tuning is None:
-        return Tuning.builtin() if builtin else None
+        return None if builtin is None else Tuning.builtin(builtin)
     if tuning is False or (isinstance(tuning, str) and tuning.strip().lower() in OFF):
         return None
     if isinstance(tuning, Tuning):

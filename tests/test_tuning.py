@@ -266,6 +266,22 @@ def test_the_built_in_table_loads_and_was_measured_by_tune():
         assert {"model", "measured", "mpi_library", "command"} <= set(e), e["p"]
 
 
+def test_each_mpi_library_gets_the_table_measured_with_it():
+    """The built-in table follows the MPI library's version string: Open MPI's own table for
+    Open MPI, the MPICH one for MPICH and any other; both shipped, both measured by tune (and
+    the collectives by bench/collectives_sweep.py) with the library they are for."""
+    ompi = Tuning.builtin("Open MPI v5.0.11, package: Open MPI user Distribution")
+    mpich = Tuning.builtin("MPICH Version: 5.0.2")
+    assert ompi.source.endswith("tuning_openmpi.json") and {t.p for t in ompi.tables} >= {2, 3, 4}
+    assert mpich.source.endswith("tuning_default.json")
+    assert Tuning.builtin("Intel(R) MPI Library 2021").source == mpich.source
+    folder = Path(ringcoll.__file__).parent
+    for name, start in (("tuning_openmpi.json", "Open MPI"), ("tuning_default.json", "MPICH")):
+        entries = json.loads((folder / name).read_text())["entries"]
+        assert entries and all(e["mpi_library"].startswith(start) for e in entries), name
+        assert all("collectives" in e for e in entries if e["p"] in (2, 3, 4)), name
+
+
 # -- the tuner's arithmetic -----------------------------------------------------------------------
 def test_crossovers_pick_within_the_slack_with_the_fewest_switches():
     sizes = [8, 32, 128, 512, 2048, 8192]
