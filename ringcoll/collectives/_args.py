@@ -119,6 +119,15 @@ def copy_rows(dst, copy_to):
         raw(copy_to)[...] = raw(dst).reshape(copy_to.shape)
 
 
+def copy_first(into, src, call):
+    """call() as a zero-argument step that copies src into `into` first: for an MPI call that
+    must not see src where it lies (inside the receive buffer, or not in its own block)."""
+    def step():
+        into[...] = src
+        call()
+    return step
+
+
 def same_bytes(a, b):
     """Are arrays a and b (NumPy or CuPy) the very same contiguous bytes?"""
     if a.nbytes != b.nbytes or not (a.flags.c_contiguous and b.flags.c_contiguous):

@@ -116,17 +116,12 @@ def _mpi_step(side, src, dst, part, rank):
         call = native.bind(side.t, "native_allgather", None, dst, part.counts)
         if _args.same_bytes(src, mine):
             return call
-        copy_into = mine
-    elif not side.xp.may_share_memory(src, dst):
+        return _args.copy_first(mine, src, call)
+    if not side.xp.may_share_memory(src, dst):
         return native.bind(side.t, "native_allgather", src, dst, part.counts)
-    else:
-        copy_into = src.copy()
-        call = native.bind(side.t, "native_allgather", copy_into, dst, part.counts)
-
-    def copy_then_gather():
-        copy_into[...] = src
-        call()
-    return copy_then_gather
+    spare = src.copy()
+    return _args.copy_first(spare, src, native.bind(side.t, "native_allgather", spare, dst,
+                                                    part.counts))
 
 
 def expected_counts(g, counts, ctx, declared=False):

@@ -119,9 +119,5 @@ def _mpi_step(side, src, dst, part, root, aliased):
     if _args.same_bytes(src, dst[part.slices[root]]):
         return native_calls.bind(side.t, "native_gatherv", None, dst, part.counts, root)
     spare = src.copy()
-    call = native_calls.bind(side.t, "native_gatherv", spare, dst, part.counts, root)
-
-    def copy_then_gather():
-        spare[...] = src
-        call()
-    return copy_then_gather
+    return _args.copy_first(spare, src, native_calls.bind(side.t, "native_gatherv", spare, dst,
+                                                          part.counts, root))

@@ -320,12 +320,9 @@ class MPITransport(Transport):
         return partial(self.comm.Gather, MPI.IN_PLACE if sendbuf is None else [sendbuf, BYTE],
                        None if recvbuf is None else [recvbuf, BYTE], root)
 
-    def native_scatter(self, sendbuf, recvbuf, root):
+    def bind_native_scatter(self, sendbuf, recvbuf, root):
         """MPI_Scatter of equal blocks as bytes; sendbuf matters on root only, where a
         recvbuf of None means in place (root's block stays in sendbuf)."""
-        self.bind_native_scatter(sendbuf, recvbuf, root)()
-
-    def bind_native_scatter(self, sendbuf, recvbuf, root):
         if recvbuf is None:
             return partial(self.comm.Scatter, [sendbuf, BYTE], MPI.IN_PLACE, root)
         return partial(self.comm.Scatter, None if sendbuf is None else [sendbuf, BYTE],
@@ -339,10 +336,8 @@ class MPITransport(Transport):
     def bind_native_gatherv(self, sendbuf, recvbuf, counts, root):
         if all(c == counts[0] for c in counts):
             return self.bind_native_gather(sendbuf, recvbuf, root)
-        recv = None if recvbuf is None else \
-            [recvbuf, [c * recvbuf.itemsize for c in counts], BYTE]
         return partial(self.comm.Gatherv, MPI.IN_PLACE if sendbuf is None else [sendbuf, BYTE],
-                       recv, root)
+                       None if recvbuf is None else _bytes_spec(recvbuf, counts), root)
 
     def native_scatterv(self, sendbuf, recvbuf, counts, root):
         """MPI_Scatter, or MPI_Scatterv where counts (elements, rank by rank) differ, as
@@ -352,8 +347,7 @@ class MPITransport(Transport):
     def bind_native_scatterv(self, sendbuf, recvbuf, counts, root):
         if all(c == counts[0] for c in counts):
             return self.bind_native_scatter(sendbuf, recvbuf, root)
-        send = None if sendbuf is None else \
-            [sendbuf, [c * sendbuf.itemsize for c in counts], BYTE]
+        send = None if sendbuf is None else _bytes_spec(sendbuf, counts)
         return partial(self.comm.Scatterv, send,
                        MPI.IN_PLACE if recvbuf is None else [recvbuf, BYTE], root)
 
