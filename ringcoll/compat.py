@@ -248,7 +248,7 @@ class _Remembered:
     them still writeable and of the same dtype. run is the Communicator's again(): the
     core's own plan run with no second matching."""
 
-    __slots__ = ("args", "keys", "layouts", "run")
+    __slots__ = ("args", "keys", "kwargs", "layouts", "arrays", "run")
 
     @classmethod
     def of(cls, args, kwargs, read):
@@ -280,6 +280,16 @@ class _Remembered:
         # caller retypes in place (x.dtype = ...) is read anew here. (A reshape in place
         # keeps the memory and the element count, which is all an MPI call reads.)
         r.layouts = tuple((a, a.dtype) for a in arrays)
+        # The common call (ndarrays given positionally, everything else a scalar: op, root,
+        # a datatype) is matched by one C comparison of the tuples and of the keyword dicts,
+        # then each array by identity. That comparison alone would take a new size-1 array
+        # or bytearray equal in value to the kept one for the same: hence the identities.
+        r.kwargs = r.arrays = None
+        if all(_scalar(v) for v in kwargs.values()) and all(
+                isinstance(a, np.ndarray) or _scalar(a) for a in args):
+            r.kwargs, r.args = dict(kwargs), tuple(args)
+            r.arrays = tuple((i, a, a.dtype) for i, a in enumerate(args)
+                             if isinstance(a, np.ndarray))
         if copy is None:
             r.run = again
         else:
@@ -292,6 +302,20 @@ class _Remembered:
         return r
 
     def matches(self, args, kwargs):
+        if self.arrays is None:
+            return self._matches_any(args, kwargs)
+        try:
+            if args != self.args or kwargs != self.kwargs:
+                return False
+        except (ValueError, TypeError):  # an array compared elementwise with a kept value
+            return False
+        for i, kept, dtype in self.arrays:
+            if args[i] is not kept or kept.dtype is not dtype or not kept.flags.writeable:
+                return False
+        return True
+
+    def _matches_any(self, args, kwargs):
+        """matches() for spec lists, buffer objects and arrays given by keyword."""
         mine = self.args  # the positional arguments, then the keyword ones' values
         if kwargs:
             if tuple(kwargs) != self.keys:
@@ -311,6 +335,13 @@ class _Remembered:
             if a.dtype is not dtype or not a.flags.writeable:
                 return False
         return True
+
+
+def _scalar(value):
+    """Whether value is an argument compared by value, never a buffer: an int (root, count),
+    an MPI handle (op, datatype), MPI.IN_PLACE or None."""
+    return value is None or value is MPI.IN_PLACE or type(value) in (int, bool) or isinstance(
+        value, (MPI.Op, MPI.Datatype))
 
 
 def _items(arg):

@@ -939,6 +939,24 @@ def check_compat_repeat(comms, light):
         WORLD.Reduce_scatter(src_rs, ref_rs)
         CK.check(out_rs.tobytes() == ref_rs.tobytes(), f"Reduce_scatter #{k}: {out_rs}")
     CK.check("Reduce_scatter" not in c._remembered, "Reduce_scatter without counts remembered")
+    # a new buffer equal in value to the remembered one is another call, whose result lands in
+    # the new buffer: size-1 arrays compare equal elementwise, and a bytearray compares equal
+    # to an array holding the same bytes. Each rank's new buffers hold what its kept ones
+    # hold after the last call, while another rank's value (root's, the others') changes.
+    fresh = (np.zeros, np.zeros, lambda m: bytearray(8 * m), np.zeros)
+    for k, kind in enumerate(fresh):
+        buf = kind(1)
+        np.frombuffer(buf)[0] = 7 + k if RANK == root else 7 + k - 1
+        CK.attempt(f"Bcast into a new equal buffer #{k}", lambda: c.Bcast(buf, root=root))
+        CK.check(np.frombuffer(buf).tolist() == [7 + k], f"Bcast #{k} into a new {type(buf)}: "
+                 f"{np.frombuffer(buf)}, want [{7 + k}]")
+        one, got = np.full(1, 1.0 if RANK == root else float(k)), np.zeros(1)
+        got[0] = 1 + (P - 1) * (k - 1)  # last call's sum
+        CK.attempt(f"Reduce into a new equal buffer #{k}",
+                   lambda: c.Reduce(one, got, op=MPI.SUM, root=root))
+        if RANK == root:
+            CK.check(got.tolist() == [1 + (P - 1) * k],
+                     f"Reduce #{k} into a new array: {got}, want [{1 + (P - 1) * k}]")
     # a receive buffer reshaped in place between calls is a new call, read again
     out = np.zeros(n * P)
     for shape in ((n * P,), (P, n), (n * P,)):
