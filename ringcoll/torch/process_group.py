@@ -509,7 +509,14 @@ class ProcessGroup(dist.ProcessGroup):
         return self._work(reqs, output_tensors, call)
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
-        return self.allgather(output_lists, input_list, opts)
+        # output_lists[r][i] is rank r's input i (allgather's lists are the other way round)
+        if len(output_lists) != self.comm.size or any(
+                len(outs) != len(input_list) for outs in output_lists):
+            raise InvalidArgumentError(
+                f"{self._ctx('allgather_coalesced')}output_tensor_lists must hold one list per "
+                f"rank ({self.comm.size}), each with one tensor per input ({len(input_list)}); "
+                f"got {[len(outs) for outs in output_lists]}")
+        return self.allgather([list(outs) for outs in zip(*output_lists)], input_list, opts)
 
     @_collective("allgather")
     def _allgather_tensors(self, outputs, inputs, opts, name):

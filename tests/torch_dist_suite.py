@@ -1,0 +1,311 @@
+"""torch's own backend suite, DistributedTest._DistTestBase, on ringcoll and on gloo.
+
+    python tests/torch_dist_suite.py -n 2 [-n 3 ...] [--backend ringcoll --backend gloo]
+                                     [--only REGEX] [--timeout 120] [--json FILE]
+
+PyTorch holds its backends (gloo, nccl, mpi, ucc) to the ~290 test methods of
+`torch.testing._internal.distributed.distributed_test.DistributedTest._DistTestBase`, shipped
+in the torch wheel. torch runs them by spawning one process per rank with multiprocessing;
+ringcoll's ranks are MPI's, so this runs them under `mpiexec` instead: the launch is adapted,
+the tests are torch's, unchanged.
+
+Each rank of one `mpiexec -n P python tests/torch_dist_suite.py --worker ...` job does for
+every test what torch's spawned child does (`TestDistBackend._run`): build the test case,
+`dist.init_process_group(backend, init_method=file://<a new file>, rank, world_size)`, the
+suite's file barrier, the test method, the barrier, `destroy_process_group`. A test's outcome
+on a rank is passed, skipped (unittest.SkipTest, or the `sys.exit(TEST_SKIPS[...])` the suite's
+decorators use) or failed (anything else, its traceback kept); rank 0 gathers them over
+MPI_COMM_WORLD and appends one JSON line per test to the report.
+
+A test that hangs (a rank failed while the others wait in a collective) or kills a rank ends
+the job: the driver (this file without --worker) then records it as failed ("the job ended
+inside this test") and starts a new job at the next test, so one bad test costs one test. A
+job also ends after any failed test, as torch's own harness starts every test in new
+processes: a failure can leave state behind (a message sent that nobody received).
+
+The backend's feature sets: torch's decorators skip a test unless BACKEND is in
+`DistTestCases.backend_feature[...]` (the "plugin" slot is for backends like this one). The
+worker adds "ringcoll" to the sets of what it implements (ddp, subgroup, gpu, cuda, plugin)
+and to `skip_collective["sendrecv anysource"]` (its receives name their source), before the
+suite is imported. Tests that torch gates on the names "gloo"/"nccl" stay skipped: the
+comparison below lists them.
+
+The driver prints per world size and backend the passed / failed / skipped counts, and every
+test that passed on gloo but not on ringcoll that is not in KNOWN (with its reason); it exits 1
+when there is such a test or a worker job failed to start.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Tests that pass on gloo and cannot pass on ringcoll, each with the reason (docs/torch.md has
+# the same list, with what a user does instead).
+KNOWN = {}
+
+
+# ---------------------------------------------------------------- the worker (under mpiexec)
+
+def worker(args):
+    from mpi4py import MPI
+    world = MPI.COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    temp = world.bcast(tempfile.mkdtemp(prefix="torchsuite-") if rank == 0 else None)
+    if rank == 0:
+        for sub in ("barrier", "test_dir"):
+            os.mkdir(os.path.join(temp, sub))
+    os.environ.update(BACKEND=args.backend, WORLD_SIZE=str(size), TEMP_DIR=temp,
+                      INIT_METHOD="env://")
+    import torch.distributed as dist
+    from torch.testing._internal import common_distributed, common_utils
+    if args.backend == "ringcoll":
+        import ringcoll.torch  # noqa: F401  (registers the backend; fills MASTER_ADDR/PORT)
+        cases = common_distributed.DistTestCases
+        for feature in ("ddp", "subgroup", "gpu", "cuda", "plugin"):
+            cases.backend_feature[feature].add("ringcoll")
+        cases.skip_collective["sendrecv anysource"].add("ringcoll")
+    else:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(world.bcast(_free_port() if rank == 0
+                                                             else None)))
+    from torch.testing._internal.distributed import distributed_test as suite
+
+    class Suite(suite.TestDistBackend, suite.DistributedTest._DistTestBase):
+        pass
+
+    common_utils.instantiate_parametrized_tests(Suite)  # as torch's spawn runner does
+    if args.list:
+        shutil.rmtree(temp, ignore_errors=True)
+        print("\n".join(sorted(n for n in dir(Suite) if n.startswith("test_"))))
+        return
+    skip_codes = {s.exit_code: s.message for s in common_distributed.TEST_SKIPS.values()}
+    names = [line.strip() for line in open(args.tests) if line.strip()]
+    report = open(args.report, "a") if rank == 0 else None
+    for name in names:
+        store = world.bcast(tempfile.mktemp(prefix="store-", dir=temp) if rank == 0 else None)
+        if rank == 0:
+            suite.Barrier.init()
+        suite.Barrier.barrier_id = 0
+        world.Barrier()
+        # a test stuck past the timeout (here or on another rank, this one then waiting in
+        # the gather) ends the job; the driver records it and goes on from the next test
+        watchdog = threading.Timer(args.timeout, os._exit, (124,))
+        watchdog.daemon = True
+        watchdog.start()
+        start = time.perf_counter()
+        outcome = _run_one(Suite, name, rank, size, store, dist, common_utils, suite,
+                           skip_codes, args.force)
+        outcome["seconds"] = round(time.perf_counter() - start, 3)
+        outcomes = world.gather(outcome, root=0)
+        watchdog.cancel()
+        failed = False
+        if rank == 0:
+            record = _combine(outcomes)
+            failed = record["outcome"] == "failed"
+            report.write(json.dumps({"test": name, **record}) + "\n")
+            report.flush()
+            if os.path.exists(store):
+                os.unlink(store)
+        # a failed test may leave messages in flight (a send nobody received), state torch's
+        # spawned processes would take with them: the driver starts the next test in a new job
+        if world.bcast(failed):
+            break
+    world.Barrier()
+    if rank == 0:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _run_one(Suite, name, rank, size, store, dist, common_utils, suite, skip_codes, force):
+    """One test on this rank, as torch's spawned child runs it: {"outcome", "detail"}."""
+    import traceback
+    import unittest
+    from datetime import timedelta
+    try:
+        case = Suite(name)
+        method = getattr(case, name)
+        if getattr(method, "__unittest_skip__", False) and not force:  # unittest.skip: unittest's run()
+            raise unittest.SkipTest(method.__unittest_skip_why__)  # honours it, not a call
+        case.rank, case.file_name = rank, store
+        timeout = suite.CUSTOM_PG_TIMEOUT.get(name, suite.default_pg_timeout)
+        dist.init_process_group(init_method=case.init_method, backend=os.environ["BACKEND"],
+                                world_size=size, rank=rank, timeout=timedelta(seconds=timeout))
+        try:
+            case._barrier()
+            common_utils.set_rng_seed()
+            method()
+            case._barrier()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return {"outcome": "passed", "detail": ""}
+    except unittest.SkipTest as skip:
+        return {"outcome": "skipped", "detail": str(skip)}
+    except SystemExit as exit_:
+        if exit_.code in skip_codes:
+            return {"outcome": "skipped", "detail": skip_codes[exit_.code]}
+        return {"outcome": "failed", "detail": f"sys.exit({exit_.code!r})"}
+    except BaseException:  # noqa: B902  (KeyboardInterrupt included: record, go on)
+        return {"outcome": "failed", "detail": traceback.format_exc()[-3000:]}
+
+
+def _combine(outcomes):
+    """One test's outcome over all ranks: failed if any rank failed, else skipped if any
+    skipped, else passed; the details per rank that did not pass."""
+    kinds = [o["outcome"] for o in outcomes]
+    kind = "failed" if "failed" in kinds else "skipped" if "skipped" in kinds else "passed"
+    details = {r: o["detail"] for r, o in enumerate(outcomes) if o["outcome"] != "passed"}
+    first = next(iter(details.values()), "")
+    return {"outcome": kind, "detail": first, "ranks": details if kind == "failed" else {},
+            "seconds": max(o["seconds"] for o in outcomes)}
+
+
+def _free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- the driver
+
+def all_tests():
+    """Every test of _DistTestBase, parametrized ones by their instantiated names (a worker
+    with --list, as one MPI process, prints them)."""
+    import subprocess
+    out = subprocess.run([sys.executable, __file__, "--worker", "--list", "--backend", "gloo"],
+                         capture_output=True, text=True, check=True, timeout=300).stdout
+    return out.split()
+
+
+def run_backend(backend, nprocs, names, timeout, force=False, log=print):
+    """Runs names under mpiexec -n nprocs on backend; {name: record}. A job that ends before
+    its last test (a hang past the deadline, a rank killed) records the test it was in as
+    failed and goes on from the next one."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _mpirun import launch
+    results, todo = {}, list(names)
+    with tempfile.TemporaryDirectory(prefix="torchsuite-driver-") as tmp:
+        report, listing = Path(tmp, "report.jsonl"), Path(tmp, "tests.txt")
+        while todo:
+            listing.write_text("\n".join(todo) + "\n")
+            report.write_text("")
+            deadline = (timeout + 5) * len(todo) + 120  # (the worker's watchdog acts first)
+            rc, output, _ = launch(nprocs, [Path(__file__), "--worker", "--backend", backend,
+                                            "--tests", listing, "--report", report]
+                                   + ["--force"] * force,
+                                   env={"RINGCOLL_TIMEOUT": str(timeout)}, timeout=deadline)
+            for line in report.read_text().splitlines():
+                record = json.loads(line)
+                results[record["test"]] = record
+            ran = len(todo)
+            todo = [n for n in todo if n not in results]
+            if rc == 0 and len(todo) == ran:
+                raise RuntimeError(f"{backend} -n {nprocs}: the job ran none of its "
+                                   f"{ran} tests:\n{output[-3000:]}")
+            if todo and rc != 0:
+                stuck = todo.pop(0)
+                results[stuck] = {"test": stuck, "outcome": "failed", "seconds": None,
+                                  "detail": f"the job ended inside this test (rc {rc}):\n"
+                                            + output[-3000:], "ranks": {}}
+                log(f"  {backend} -n {nprocs}: {stuck} ended the job (rc {rc}); "
+                    f"{len(todo)} to go")
+    return results
+
+
+def compare(gloo, ours, forced, known=KNOWN):
+    """Every test gloo passed, by what ringcoll did with it: {"passed", "gated" (torch skips
+    it for a backend of another name; run anyway, it passes), "known" (in KNOWN), "regressed"}
+    -> names."""
+    verdict = {"passed": [], "gated": [], "known": [], "regressed": []}
+    for name, record in gloo.items():
+        if record["outcome"] != "passed":
+            continue
+        if ours[name]["outcome"] == "passed":
+            verdict["passed"].append(name)
+        elif ours[name]["outcome"] == "skipped" and forced.get(name, {}).get("outcome") \
+                == "passed":
+            verdict["gated"].append(name)
+        else:
+            verdict["known" if name in known else "regressed"].append(name)
+    return verdict
+
+
+def counts(results):
+    return {k: sum(r["outcome"] == k for r in results.values())
+            for k in ("passed", "failed", "skipped")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tests", help=argparse.SUPPRESS)
+    ap.add_argument("--report", help=argparse.SUPPRESS)
+    ap.add_argument("--list", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--force", action="store_true",
+                    help="run tests that torch's decorators skip (the worker's; see compare)")
+    ap.add_argument("-n", type=int, action="append", help="world size (repeatable; default 2)")
+    ap.add_argument("--backend", choices=("ringcoll", "gloo"),
+                    help="one backend alone (default: gloo, then ringcoll, compared)")
+    ap.add_argument("--only", default="", help="regex: the tests whose names it matches")
+    ap.add_argument("--exclude", default="", help="regex: leave these tests out")
+    ap.add_argument("--timeout", type=int, default=120, help="seconds a test may take")
+    ap.add_argument("--json", help="write every record here")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    names = [n for n in all_tests() if re.search(args.only, n)
+             and not (args.exclude and re.search(args.exclude, n))]
+    everything, failed = {}, False
+    for p in args.n or [2]:
+        results = {}
+        for backend in [args.backend] if args.backend else ["gloo", "ringcoll"]:
+            start = time.time()
+            results[backend] = run_backend(backend, p, names, args.timeout)
+            print(f"# -n {p} {backend}: {len(names)} tests in {time.time() - start:.0f} s; "
+                  + ", ".join(f"{v} {k}" for k, v in counts(results[backend]).items()),
+                  flush=True)
+        everything[p] = results
+        if len(results) < 2:
+            failed |= counts(results[args.backend])["failed"] > 0
+            continue
+        gloo, ours = results["gloo"], results["ringcoll"]
+        gated = [n for n in names if gloo[n]["outcome"] == "passed"
+                 and ours[n]["outcome"] == "skipped"]
+        results["ringcoll, run anyway"] = run_backend("ringcoll", p, gated, args.timeout,
+                                                      force=True) if gated else {}
+        verdict = compare(gloo, ours, results["ringcoll, run anyway"])
+        print(f"-n {p}: of the {sum(map(len, verdict.values()))} tests gloo passes, ringcoll "
+              f"passes {len(verdict['passed'])}, passes {len(verdict['gated'])} more that "
+              f"torch skips for it by name, {len(verdict['known'])} known "
+              f"(KNOWN), {len(verdict['regressed'])} regressed")
+        for name in verdict["gated"]:
+            print(f"-n {p} gated {name}: {ours[name]['detail'][:100]}")
+        for name in verdict["known"]:
+            print(f"-n {p} known {name}: {KNOWN[name]}")
+        for name in verdict["regressed"]:
+            failed = True
+            record = results["ringcoll, run anyway"].get(name, ours[name])
+            print(f"-n {p} REGRESSION {name}: passed on gloo, {record['outcome']} on ringcoll\n"
+                  + "\n".join("    " + line for line in _why(record["detail"])))
+    if args.json:
+        Path(args.json).write_text(json.dumps(everything, indent=1))
+    return 1 if failed else 0
+
+
+def _why(detail):
+    """The lines of a traceback that say what went wrong (torch appends a repro hint)."""
+    lines = detail.strip().split("\nTo execute this test")[0].strip().splitlines()
+    return lines[-8:]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
