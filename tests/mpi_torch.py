@@ -55,7 +55,7 @@ RANK, P = WORLD.Get_rank(), WORLD.Get_size()
 GROUPS = ["init", "all_reduce", "all_reduce_floats", "all_reduce_complex", "coalesced",
           "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
           "all_to_all", "gather_scatter", "barrier", "p2p", "objects", "noncontig", "unsupported",
-          "subgroups", "device_mesh", "functional", "ddp"]
+          "subgroups", "device_mesh", "functional", "ddp", "avg_integers"]
 ERROR_GROUPS = ["errors"]
 
 warnings.filterwarnings("ignore")  # deprecations of torch's own functions (funcol, coalesced)
@@ -266,7 +266,7 @@ def gloo_can_reduce(dt, op):
 #: of 2, 3..., not torch's 0/1)
 GLOO_LACKS = {"all_gather uneven", "int16", "complex gather/scatter", "all_to_all list uneven",
               "stacked", "reduce_scatter async", "strided", "complex direct", "raise at the call",
-              "bool bytes", "premul", "all_to_all_single non-contiguous"}
+              "bool bytes", "premul", "all_to_all_single non-contiguous", "int avg"}
 
 
 def backend_lacks(what):
@@ -476,6 +476,65 @@ def check_all_reduce_floats():
                      f"{label} [{mode}]: error up to {worst:.3g} x the bound 2 p eps sum|x| + "
                      f"eps|sum| (max abs error {float(err.max()):.3g})")
             CK.identical(label, t)
+
+
+def check_avg_integers():
+    """ReduceOp.AVG on integer tensors, as NCCL computes it (ncclAvg): the sum in the dtype,
+    wrapping as it does, then divided by P truncated toward zero; by all_reduce, reduce (dst's
+    tensor), reduce_scatter_tensor and reduce_scatter, contiguous and not. Values span the
+    dtype's range (int8/uint8 sums wrap at P >= 2), negatives included."""
+    slot = 0
+    for dt in dtypes(INTS):
+        if backend_lacks("int avg"):
+            continue
+        nd = NP[dt]
+        info = np.iinfo(nd)
+        for form in ("all_reduce", "all_reduce strided", "reduce", "reduce_scatter_tensor",
+                     "reduce_scatter"):
+            slot += 1
+            n = 3 * P + 1
+            rng = np.random.default_rng(7000 + slot * 31 + RANK)
+            # (no int64 minimum: the expected value's truncation negates the sum)
+            low, high = max(int(info.min) + 1, -10 ** 6), min(int(info.max), 10 ** 6)
+            x = rng.integers(low, high, size=P * n, endpoint=True).astype(nd)
+            every = WORLD.allgather(x)
+            label = f"{form} AVG {dt} n={n}"
+            mode = MODES[slot % 3]
+            if form == "all_reduce strided":
+                base = from_np(np.repeat(x, 2))
+                t = base[::2]
+                run(label, mode, lambda a: dist.all_reduce(t, op=R.AVG, async_op=a))
+                CK.check(to_np(base[1::2]).tobytes() == x.tobytes(), f"{label}: gaps written")
+                got, want = t, int_avg(every, P)
+            elif form == "all_reduce":
+                t = from_np(x)
+                run(label, mode, lambda a: dist.all_reduce(t, op=R.AVG, async_op=a))
+                got, want = t, int_avg(every, P)
+            elif form == "reduce":
+                root = slot % P
+                t = from_np(x)
+                run(label, mode, lambda a: dist.reduce(t, dst=root, op=R.AVG, async_op=a))
+                got, want = t, int_avg(every, P) if RANK == root else x
+            elif form == "reduce_scatter_tensor":
+                t, got = from_np(x), torch.zeros(n, dtype=dt)
+                run(label, mode, lambda a: dist.reduce_scatter_tensor(got, t, op=R.AVG,
+                                                                      async_op=a))
+                want = int_avg(every, P).reshape(P, n)[RANK]
+            else:
+                ins, got = [from_np(b) for b in x.reshape(P, n)], torch.zeros(n, dtype=dt)
+                run(label, "sync", lambda a: dist.reduce_scatter(got, ins, op=R.AVG,
+                                                                 async_op=a))
+                want = int_avg(every, P).reshape(P, n)[RANK]
+            CK.check(to_np(got).tobytes() == np.asarray(want, nd).tobytes(),
+                     f"{label} [{mode}]: got {to_np(got)[:6]}, want {np.asarray(want)[:6]}")
+
+
+def int_avg(inputs, p):
+    """NCCL's integer AVG of the arrays inputs: their sum wrapped to the dtype, then each
+    element divided by p, truncated toward zero (in Python ints: exact)."""
+    total = np.sum(np.stack(inputs), axis=0, dtype=inputs[0].dtype)  # wraps, as NCCL's sum
+    return np.array([abs(s) // p * (1 if s >= 0 else -1) for s in total.tolist()],
+                    inputs[0].dtype)
 
 
 def check_all_reduce_complex():

@@ -78,6 +78,15 @@ def worker(args):
         os.environ.setdefault("MASTER_PORT", str(world.bcast(_free_port() if rank == 0
                                                              else None)))
     from torch.testing._internal.distributed import distributed_test as suite
+    if args.as_gloo:  # the test's body takes gloo's code path; every group it makes is ours
+        suite.BACKEND = "gloo"
+        c10d = dist.distributed_c10d
+        make = c10d._new_process_group_helper
+
+        def ours_for_gloo(size, rank, ranks, backend, *rest, **kwargs):
+            return make(size, rank, ranks, "ringcoll" if str(backend) == "gloo" else backend,
+                        *rest, **kwargs)
+        c10d._new_process_group_helper = ours_for_gloo
 
     class Suite(suite.TestDistBackend, suite.DistributedTest._DistTestBase):
         pass
@@ -186,7 +195,7 @@ def all_tests():
     return out.split()
 
 
-def run_backend(backend, nprocs, names, timeout, force=False, log=print):
+def run_backend(backend, nprocs, names, timeout, force=False, as_gloo=False, log=print):
     """Runs names under mpiexec -n nprocs on backend; {name: record}. A job that ends before
     its last test (a hang past the deadline, a rank killed) records the test it was in as
     failed and goes on from the next one."""
@@ -201,7 +210,7 @@ def run_backend(backend, nprocs, names, timeout, force=False, log=print):
             deadline = (timeout + 5) * len(todo) + 120  # (the worker's watchdog acts first)
             rc, output, _ = launch(nprocs, [Path(__file__), "--worker", "--backend", backend,
                                             "--tests", listing, "--report", report]
-                                   + ["--force"] * force,
+                                   + ["--force"] * force + ["--as-gloo"] * as_gloo,
                                    env={"RINGCOLL_TIMEOUT": str(timeout)}, timeout=deadline)
             for line in report.read_text().splitlines():
                 record = json.loads(line)
@@ -221,19 +230,21 @@ def run_backend(backend, nprocs, names, timeout, force=False, log=print):
     return results
 
 
-def compare(gloo, ours, forced, known=KNOWN):
-    """Every test gloo passed, by what ringcoll did with it: {"passed", "gated" (torch skips
-    it for a backend of another name; run anyway, it passes), "known" (in KNOWN), "regressed"}
-    -> names."""
-    verdict = {"passed": [], "gated": [], "known": [], "regressed": []}
+def compare(gloo, ours, forced, as_gloo, known=KNOWN):
+    """Every test gloo passed, by what ringcoll did with it -> {verdict: names}:
+    "passed"; "gated": torch skips it for a backend of another name, run anyway it passes;
+    "as gloo": its body branches on the name, and given gloo's branch it passes on ringcoll;
+    "known": in KNOWN (with the reason); "regressed": none of these."""
+    verdict = {"passed": [], "gated": [], "as gloo": [], "known": [], "regressed": []}
     for name, record in gloo.items():
         if record["outcome"] != "passed":
             continue
         if ours[name]["outcome"] == "passed":
             verdict["passed"].append(name)
-        elif ours[name]["outcome"] == "skipped" and forced.get(name, {}).get("outcome") \
-                == "passed":
+        elif forced.get(name, {}).get("outcome") == "passed":
             verdict["gated"].append(name)
+        elif as_gloo.get(name, {}).get("outcome") == "passed":
+            verdict["as gloo"].append(name)
         else:
             verdict["known" if name in known else "regressed"].append(name)
     return verdict
@@ -252,6 +263,9 @@ def main():
     ap.add_argument("--list", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--force", action="store_true",
                     help="run tests that torch's decorators skip (the worker's; see compare)")
+    ap.add_argument("--as-gloo", action="store_true",
+                    help="with --force: BACKEND reads 'gloo' in the tests' bodies, every group "
+                         "they make is ringcoll's (the worker's; see compare)")
     ap.add_argument("-n", type=int, action="append", help="world size (repeatable; default 2)")
     ap.add_argument("--backend", choices=("ringcoll", "gloo"),
                     help="one backend alone (default: gloo, then ringcoll, compared)")
@@ -278,22 +292,29 @@ def main():
             failed |= counts(results[args.backend])["failed"] > 0
             continue
         gloo, ours = results["gloo"], results["ringcoll"]
-        gated = [n for n in names if gloo[n]["outcome"] == "passed"
-                 and ours[n]["outcome"] == "skipped"]
-        results["ringcoll, run anyway"] = run_backend("ringcoll", p, gated, args.timeout,
-                                                      force=True) if gated else {}
-        verdict = compare(gloo, ours, results["ringcoll, run anyway"])
-        print(f"-n {p}: of the {sum(map(len, verdict.values()))} tests gloo passes, ringcoll "
-              f"passes {len(verdict['passed'])}, passes {len(verdict['gated'])} more that "
-              f"torch skips for it by name, {len(verdict['known'])} known "
-              f"(KNOWN), {len(verdict['regressed'])} regressed")
+        # the tests ringcoll does not pass that gloo does: run again past torch's name gates,
+        # then (what still fails) with the test bodies on gloo's branch
+        passes = [n for n in names if gloo[n]["outcome"] == "passed"]
+        again = [n for n in passes if ours[n]["outcome"] != "passed"]
+        forced = results["ringcoll, run anyway"] = run_backend(
+            "ringcoll", p, again, args.timeout, force=True) if again else {}
+        again = [n for n in again if forced[n]["outcome"] != "passed"]
+        as_gloo = results["ringcoll, as gloo"] = run_backend(
+            "ringcoll", p, again, args.timeout, force=True, as_gloo=True) if again else {}
+        verdict = compare(gloo, ours, forced, as_gloo)
+        print(f"-n {p}: of the {len(passes)} tests gloo passes, ringcoll passes "
+              f"{len(verdict['passed'])}; {len(verdict['gated'])} more pass past torch's "
+              f"name gate, {len(verdict['as gloo'])} more on gloo's branch; "
+              f"{len(verdict['known'])} known (KNOWN), {len(verdict['regressed'])} regressed")
+        for name in verdict["as gloo"]:
+            print(f"-n {p} as gloo {name}")
         for name in verdict["gated"]:
             print(f"-n {p} gated {name}: {ours[name]['detail'][:100]}")
         for name in verdict["known"]:
             print(f"-n {p} known {name}: {KNOWN[name]}")
         for name in verdict["regressed"]:
             failed = True
-            record = results["ringcoll, run anyway"].get(name, ours[name])
+            record = as_gloo.get(name) or forced.get(name) or ours[name]
             print(f"-n {p} REGRESSION {name}: passed on gloo, {record['outcome']} on ringcoll\n"
                   + "\n".join("    " + line for line in _why(record["detail"])))
     if args.json:

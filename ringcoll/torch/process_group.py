@@ -21,7 +21,7 @@ Point-to-point sends and receives are posted at once (MPI requests) and a second
 for them in order, completing their futures; a receive names its source (ringcoll has no
 wildcard receive).
 
-Reductions: SUM, AVG (floats), PRODUCT, MIN, MAX, and BAND/BOR/BXOR of integers; bool tensors
+Reductions: SUM, AVG (floats; integers as NCCL: the sum divided, truncated), PRODUCT, MIN, MAX, and BAND/BOR/BXOR of integers; bool tensors
 reduce as NCCL's do (SUM and MAX are a logical or, PRODUCT and MIN a logical and);
 PREMUL_SUM(f) multiplies the input by f, then sums. One call's tensors are on one device; a
 group takes CPU and CUDA tensors from call to call, as gloo's does, and every rank of one call
@@ -277,7 +277,15 @@ def _op_name(op, dtype, ctx):
         if name == "avg":
             raise InvalidTypeError(f"{ctx}AVG of bool tensors has no meaning; convert to float")
         return _BOOL_OPS[name]
+    if _integer_avg(op, dtype):
+        return "sum"  # divided afterwards: _then_average
     return name
+
+
+def _integer_avg(op, dtype):
+    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    return kind == RED.AVG and not (dtype.is_floating_point or dtype.is_complex
+                                    or dtype == torch.bool)
 
 
 def _premul(op, t, keep=False):
@@ -411,9 +419,18 @@ class ProcessGroup(dist.ProcessGroup):
         call, reqs = self._call(ctx, tensors), []
         for t in tensors:
             name = _op_name(opts.reduceOp, t.dtype, ctx)
-            x = call.array(_premul(opts.reduceOp, call.contiguous(t)), ctx)
+            c = call.contiguous(t)
+            self._then_average(opts.reduceOp, c, call)
+            x = call.array(_premul(opts.reduceOp, c), ctx)
             reqs.append(self._start(opts, call, "allreduce", x, name, out=x))
         return self._work(reqs, tensors, call)
+
+    def _then_average(self, op, c, call):
+        """AVG of an integer tensor as NCCL computes it (ncclAvg): the collective sums, in the
+        tensor's dtype (wrapping as that sum does), then each element of the result, in c, is
+        divided by the group's size, truncated toward zero (C's integer division)."""
+        if _integer_avg(op, c.dtype):
+            call.later.insert(0, lambda: c.div_(self.comm.size, rounding_mode="trunc"))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts or dist.AllreduceCoalescedOptions())
@@ -427,6 +444,8 @@ class ProcessGroup(dist.ProcessGroup):
         for t in tensors:  # the result lands in root's tensor; the others keep their values
             name = _op_name(opts.reduceOp, t.dtype, ctx)
             c = _premul(opts.reduceOp, call.contiguous(t, output=root), keep=not root)
+            if root:
+                self._then_average(opts.reduceOp, c, call)
             x = call.array(c, ctx, output=root)
             reqs.append(self._start(opts, call, "reduce", x, name, opts.rootRank,
                                     out=x if root else None))
@@ -436,6 +455,7 @@ class ProcessGroup(dist.ProcessGroup):
         """reduce_scatter of contiguous flat into out; keep: flat is the caller's input."""
         c = call.contiguous(out)
         name = _op_name(opts.reduceOp, flat.dtype, ctx)
+        self._then_average(opts.reduceOp, c, call)
         flat = _premul(opts.reduceOp, flat, keep)
         return self._start(opts, call, "reduce_scatter",
                            call.array(flat, ctx, output=False).reshape(-1), name,
