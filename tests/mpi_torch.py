@@ -55,7 +55,7 @@ RANK, P = WORLD.Get_rank(), WORLD.Get_size()
 GROUPS = ["init", "all_reduce", "all_reduce_floats", "all_reduce_complex", "coalesced",
           "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
           "all_to_all", "gather_scatter", "barrier", "p2p", "objects", "noncontig", "unsupported",
-          "subgroups", "device_mesh", "functional", "ddp", "avg_integers"]
+          "subgroups", "device_mesh", "functional", "ddp", "avg_integers", "sparse"]
 ERROR_GROUPS = ["errors"]
 
 warnings.filterwarnings("ignore")  # deprecations of torch's own functions (funcol, coalesced)
@@ -527,6 +527,55 @@ def check_avg_integers():
                 want = int_avg(every, P).reshape(P, n)[RANK]
             CK.check(to_np(got).tobytes() == np.asarray(want, nd).tobytes(),
                      f"{label} [{mode}]: got {to_np(got)[:6]}, want {np.asarray(want)[:6]}")
+
+
+def check_sparse():
+    """all_reduce (SUM) of sparse COO tensors, as gloo's: the result is the sum of every rank's
+    tensor (checked dense against the inputs gathered with mpi4py), still sparse and coalesced,
+    in the caller's tensor; ranks with no entries, a dense part per entry; then DDP over an
+    nn.Embedding(sparse=True), whose replicas must stay identical."""
+    for dense in ((), (3,)):
+        for nnz in (0, 1, 4):
+            n = nnz if RANK % 2 == 0 else 2
+            index = torch.tensor([[(RANK + 2 * k) % 7 for k in range(n)],
+                                  [k % 3 for k in range(n)]], dtype=torch.int64).reshape(2, n)
+            value = (torch.arange(n * int(np.prod(dense, dtype=np.int64)), dtype=torch.float64)
+                     .reshape((n,) + dense) + RANK)
+            shape = (7, 3) + dense
+            t = torch.sparse_coo_tensor(index, value, shape)
+            every = WORLD.allgather((index.numpy(), value.numpy()))
+            want = sum(torch.sparse_coo_tensor(torch.from_numpy(i), torch.from_numpy(v),
+                                               shape).to_dense() for i, v in every)
+            label = f"sparse all_reduce nnz={nnz} dense={dense}"
+            CK.attempt(label, lambda: dist.all_reduce(t))
+            CK.check(t.layout == torch.sparse_coo and t.is_coalesced()
+                     and torch.equal(t.to_dense(), want), f"{label}: got {t}")
+    CK.attempt("sparse all_reduce MAX", lambda: CK.check(
+        raises(lambda: dist.all_reduce(torch.sparse_coo_tensor([[0]], [1.0], (2,)),
+                                       op=R.MAX)), "sparse MAX must be refused (SUM only)"))
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    ddp = CK.attempt("DDP over a sparse Embedding",
+                     lambda: torch.nn.parallel.DistributedDataParallel(emb))
+    if ddp is not None:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        before = emb.weight.detach().clone()
+        CK.attempt("DDP sparse backward", lambda: ddp(torch.tensor([RANK % 10, 5])).sum()
+                   .backward())
+        opt.step()
+        w = WORLD.allgather(emb.weight.detach().numpy())
+        CK.check(all(np.array_equal(x, w[0]) for x in w), "DDP sparse: replicas differ")
+        # row 5: every rank's gradient of 1 each, averaged: a step of exactly lr
+        CK.check(torch.allclose(emb.weight.detach()[5], before[5] - 0.1),
+                 f"DDP sparse: row 5 moved by {emb.weight.detach()[5] - before[5]}, not -0.1")
+
+
+def raises(fn):
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - any refusal counts
+        return True
+    return False
 
 
 def int_avg(inputs, p):

@@ -43,7 +43,7 @@ LAUNCH_TIMEOUT = 150  # seconds per launch: a hang fails instead of blocking
 GROUPS = ["init", "all_reduce", "all_reduce_floats", "all_reduce_complex", "coalesced",
           "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
           "all_to_all", "gather_scatter", "barrier", "p2p", "objects", "noncontig", "unsupported",
-          "subgroups", "device_mesh", "functional", "ddp", "avg_integers"]
+          "subgroups", "device_mesh", "functional", "ddp", "avg_integers", "sparse"]
 ERROR_GROUPS = ["errors"]
 NOTHING_AT_1 = {"p2p"}  # no peer to send to at P=1
 TORCH_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")

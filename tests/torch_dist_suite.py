@@ -50,7 +50,27 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Tests that pass on gloo and cannot pass on ringcoll, each with the reason (docs/torch.md has
 # the same list, with what a user does instead).
-KNOWN = {}
+_MONITORED = ("torch implements dist.monitored_barrier for gloo alone: it raises ValueError "
+              "for any other backend before the backend is called. Use dist.barrier(): "
+              "ringcoll's watchdog (RINGCOLL_TIMEOUT) names the rank that did not arrive")
+_TIMEOUT = ("the test expects a barrier that times out to raise and the job to go on; "
+            "ringcoll's watchdog aborts the job instead (MPI_Abort, naming the collective and "
+            "the rank it waits for), as an MPI collective cannot be cancelled. Set the timeout "
+            "with init_process_group(timeout=...) or RINGCOLL_TIMEOUT")
+_ANY_SOURCE = ("a receive from any source (dist.recv without src): ringcoll's receives name "
+               "their source, in every transport, and it refuses one without, with that "
+               "message. Pass src=")
+KNOWN = {
+    "test_monitored_barrier_gloo": _MONITORED,
+    "test_monitored_barrier_gloo_subgroup": _MONITORED,
+    "test_monitored_barrier_gloo_rank_0_timeout": _MONITORED,
+    "test_barrier_timeout_global": _TIMEOUT,
+    "test_barrier_timeout_group": _TIMEOUT,
+    "test_barrier_timeout_full_group": _TIMEOUT,
+    "test_send_recv_any_source": _ANY_SOURCE,
+    "test_send_recv_any_source_autograd_profiler": _ANY_SOURCE,
+    "test_send_recv_any_source_torch_profiler": _ANY_SOURCE,
+}
 
 
 # ---------------------------------------------------------------- the worker (under mpiexec)
@@ -255,6 +275,48 @@ def counts(results):
             for k in ("passed", "failed", "skipped")}
 
 
+def run_and_compare(nprocs, names, timeout=120, log=print):
+    """names on gloo, then on ringcoll, at nprocs ranks; then the tests ringcoll does not pass
+    that gloo does, run again past torch's name gates, then (those still failing) with their
+    bodies on gloo's branch. Returns {"results": {pass: records}, "counts", "seconds",
+    "verdict": compare()'s, "regressed": {name: record}, "lines": a summary}."""
+    results, seconds = {}, {}
+    for backend in ("gloo", "ringcoll"):
+        start = time.time()
+        results[backend] = run_backend(backend, nprocs, names, timeout, log=log)
+        seconds[backend] = time.time() - start
+    gloo, ours = results["gloo"], results["ringcoll"]
+    again = [n for n in names if gloo[n]["outcome"] == "passed"
+             and ours[n]["outcome"] != "passed" and n not in KNOWN]  # (those fail: a job each)
+    start = time.time()
+    forced = results["ringcoll, run anyway"] = run_backend(
+        "ringcoll", nprocs, again, timeout, force=True, log=log) if again else {}
+    again = [n for n in again if forced[n]["outcome"] != "passed"]
+    as_gloo = results["ringcoll, as gloo"] = run_backend(
+        "ringcoll", nprocs, again, timeout, force=True, as_gloo=True, log=log) if again else {}
+    seconds["ringcoll, the reruns"] = time.time() - start
+    verdict = compare(gloo, ours, forced, as_gloo)
+    tally = {b: counts(results[b]) for b in ("gloo", "ringcoll")}
+    lines = [f"{b}: {len(names)} tests, " + ", ".join(f"{v} {k}" for k, v in c.items())
+             for b, c in tally.items()]
+    lines.append(f"of the {sum(map(len, verdict.values()))} tests gloo passes, ringcoll "
+                 f"passes {len(verdict['passed'])}; {len(verdict['gated'])} more past torch's "
+                 f"name gates, {len(verdict['as gloo'])} more on gloo's branch; "
+                 f"{len(verdict['known'])} known (KNOWN), {len(verdict['regressed'])} regressed")
+    lines += [f"gated: {n}" for n in verdict["gated"]]
+    lines += [f"as gloo: {n}" for n in verdict["as gloo"]]
+    lines += [f"known: {n}: {KNOWN[n]}" for n in verdict["known"]]
+    regressed = {n: as_gloo.get(n) or forced.get(n) or ours[n] for n in verdict["regressed"]}
+    return {"results": results, "counts": tally, "seconds": seconds, "verdict": verdict,
+            "regressed": regressed, "lines": lines}
+
+
+def why(detail):
+    """The lines of a traceback that say what went wrong (torch appends a repro hint)."""
+    lines = detail.strip().split("\nTo execute this test")[0].strip().splitlines()
+    return lines[-8:]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -268,7 +330,7 @@ def main():
                          "they make is ringcoll's (the worker's; see compare)")
     ap.add_argument("-n", type=int, action="append", help="world size (repeatable; default 2)")
     ap.add_argument("--backend", choices=("ringcoll", "gloo"),
-                    help="one backend alone (default: gloo, then ringcoll, compared)")
+                    help="one backend alone (default: both, compared)")
     ap.add_argument("--only", default="", help="regex: the tests whose names it matches")
     ap.add_argument("--exclude", default="", help="regex: leave these tests out")
     ap.add_argument("--timeout", type=int, default=120, help="seconds a test may take")
@@ -280,52 +342,27 @@ def main():
              and not (args.exclude and re.search(args.exclude, n))]
     everything, failed = {}, False
     for p in args.n or [2]:
-        results = {}
-        for backend in [args.backend] if args.backend else ["gloo", "ringcoll"]:
-            start = time.time()
-            results[backend] = run_backend(backend, p, names, args.timeout)
-            print(f"# -n {p} {backend}: {len(names)} tests in {time.time() - start:.0f} s; "
-                  + ", ".join(f"{v} {k}" for k, v in counts(results[backend]).items()),
-                  flush=True)
-        everything[p] = results
-        if len(results) < 2:
-            failed |= counts(results[args.backend])["failed"] > 0
+        if args.backend:
+            results = run_backend(args.backend, p, names, args.timeout)
+            everything[p] = {args.backend: results}
+            print(f"-n {p} {args.backend}: " + ", ".join(
+                f"{v} {k}" for k, v in counts(results).items()), flush=True)
+            failed |= counts(results)["failed"] > 0
             continue
-        gloo, ours = results["gloo"], results["ringcoll"]
-        # the tests ringcoll does not pass that gloo does: run again past torch's name gates,
-        # then (what still fails) with the test bodies on gloo's branch
-        passes = [n for n in names if gloo[n]["outcome"] == "passed"]
-        again = [n for n in passes if ours[n]["outcome"] != "passed"]
-        forced = results["ringcoll, run anyway"] = run_backend(
-            "ringcoll", p, again, args.timeout, force=True) if again else {}
-        again = [n for n in again if forced[n]["outcome"] != "passed"]
-        as_gloo = results["ringcoll, as gloo"] = run_backend(
-            "ringcoll", p, again, args.timeout, force=True, as_gloo=True) if again else {}
-        verdict = compare(gloo, ours, forced, as_gloo)
-        print(f"-n {p}: of the {len(passes)} tests gloo passes, ringcoll passes "
-              f"{len(verdict['passed'])}; {len(verdict['gated'])} more pass past torch's "
-              f"name gate, {len(verdict['as gloo'])} more on gloo's branch; "
-              f"{len(verdict['known'])} known (KNOWN), {len(verdict['regressed'])} regressed")
-        for name in verdict["as gloo"]:
-            print(f"-n {p} as gloo {name}")
-        for name in verdict["gated"]:
-            print(f"-n {p} gated {name}: {ours[name]['detail'][:100]}")
-        for name in verdict["known"]:
-            print(f"-n {p} known {name}: {KNOWN[name]}")
-        for name in verdict["regressed"]:
+        summary = run_and_compare(p, names, args.timeout)
+        everything[p] = summary["results"]
+        for line in summary["lines"]:
+            print(f"-n {p} {line}")
+        for name, record in summary["regressed"].items():
             failed = True
-            record = as_gloo.get(name) or forced.get(name) or ours[name]
-            print(f"-n {p} REGRESSION {name}: passed on gloo, {record['outcome']} on ringcoll\n"
-                  + "\n".join("    " + line for line in _why(record["detail"])))
+            print(f"-n {p} REGRESSION {name}: passed on gloo, {record['outcome']} on "
+                  "ringcoll\n" + "\n".join("    " + line for line in why(record["detail"])))
+        print(f"-n {p} seconds: " + ", ".join(f"{k} {v:.0f}"
+                                               for k, v in summary["seconds"].items()),
+              flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(everything, indent=1))
     return 1 if failed else 0
-
-
-def _why(detail):
-    """The lines of a traceback that say what went wrong (torch appends a repro hint)."""
-    lines = detail.strip().split("\nTo execute this test")[0].strip().splitlines()
-    return lines[-8:]
 
 
 if __name__ == "__main__":

@@ -416,6 +416,8 @@ class ProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         ctx = self._ctx("allreduce")
+        if any(isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in tensors):
+            return self._sparse_allreduce(tensors, opts, ctx)
         call, reqs = self._call(ctx, tensors), []
         for t in tensors:
             name = _op_name(opts.reduceOp, t.dtype, ctx)
@@ -431,6 +433,39 @@ class ProcessGroup(dist.ProcessGroup):
         divided by the group's size, truncated toward zero (C's integer division)."""
         if _integer_avg(op, c.dtype):
             call.later.insert(0, lambda: c.div_(self.comm.size, rounding_mode="trunc"))
+
+    def _sparse_allreduce(self, tensors, opts, ctx):
+        """SUM of sparse COO tensors (as gloo's; DDP's gradients of nn.Embedding(sparse=True)):
+        every rank's indices and values all-gathered (their counts first), then summed into
+        one coalesced tensor that replaces each input's contents. Blocking: the second
+        all-gather's counts come from the first."""
+        kind = opts.reduceOp.op if isinstance(opts.reduceOp, dist.ReduceOp) else opts.reduceOp
+        if kind != RED.SUM:
+            raise InvalidArgumentError(f"{ctx}sparse tensors reduce with SUM only (as gloo's); "
+                                       "call .to_dense() for another op")
+        for t in tensors:
+            if t.layout != torch.sparse_coo or t.device.type != "cpu":
+                raise InvalidTypeError(
+                    f"{ctx}a {t.layout} tensor on {t.device} with sparse ones: one call's "
+                    "tensors are all sparse COO on the CPU, or all dense")
+        for t in tensors:
+            c = t.coalesce()
+            index = c.indices().t().contiguous()  # nnz rows of sparse_dim indices
+            value = c.values().contiguous()  # nnz rows of the dense part
+            rows = np.empty(self.comm.size, np.int64)
+            self.comm.allgather(np.array([index.shape[0]], np.int64), out=rows)
+            counts = rows.tolist()
+            indices = np.empty((sum(counts), index.shape[1]), np.int64)
+            self.comm.allgather(index.numpy(), out=indices, counts=counts)
+            values = value.new_empty((sum(counts),) + tuple(value.shape[1:]))
+            width = int(np.prod(value.shape[1:], dtype=np.int64)) * value.element_size()
+            if width:  # (the bytes of a row of values)
+                self.comm.allgather(_byte_tensor(value).numpy().reshape(-1, width),
+                                    out=_byte_tensor(values).numpy().reshape(-1, width),
+                                    counts=counts)
+            total = torch.sparse_coo_tensor(torch.from_numpy(indices).t(), values, t.shape)
+            t.copy_(total.coalesce())
+        return self._work([], tensors)
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self.allreduce(tensors, opts or dist.AllreduceCoalescedOptions())
