@@ -194,7 +194,8 @@ def _check(t, ctx):
         raise InvalidTypeError(f"{ctx}expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise InvalidTypeError(f"{ctx}a {t.layout} tensor: ringcoll sends dense (strided) "
-                               "tensors only; call .to_dense() first")
+                               "tensors only (and all_reduce SUMs sparse COO ones); call "
+                               ".to_dense() first")
 
 
 def _byte_tensor(t):
