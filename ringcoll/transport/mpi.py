@@ -283,6 +283,7 @@ class MPITransport(Transport):
                 comm.Free()
         self._groups.clear()
         if self.comm != MPI.COMM_NULL:
+            _discard_unreceived(self.comm)
             self.comm.Free()
 
     # the MPI library's own collectives, for the 'native' algorithm -------------------------
@@ -722,3 +723,13 @@ class _Watchdog:
             # where *they* wait before MPI_Abort ends every process, since together the
             # messages show the whole deadlock (and who skipped which call).
             linger=min(5.0, self.timeout / 2))
+
+
+def _discard_unreceived(comm):
+    """Receive and drop every message that has arrived on comm and that no receive took (a
+    send the program never matched). MPI may give a later communicator the context of one
+    freed, and such a message would then match a receive there."""
+    status = MPI.Status()
+    while comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+        comm.Recv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE], status.Get_source(),
+                  status.Get_tag())
