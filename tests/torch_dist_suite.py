@@ -1,9 +1,11 @@
 """torch's own backend suite, DistributedTest._DistTestBase, on ringcoll and on gloo.
 
-    python tests/torch_dist_suite.py -n 2 [-n 3 ...] [--backend ringcoll --backend gloo]
-                                     [--only REGEX] [--timeout 120] [--json FILE]
+    python tests/torch_dist_suite.py -n 2 [-n 3 ...] [--backend ringcoll|gloo]
+                                     [--only REGEX] [--exclude REGEX] [--timeout 120]
+                                     [--json FILE]
 
-PyTorch holds its backends (gloo, nccl, mpi, ucc) to the ~290 test methods of
+PyTorch holds its backends (gloo, nccl, mpi, ucc) to the 285 tests (parametrized ones
+expanded) of
 `torch.testing._internal.distributed.distributed_test.DistributedTest._DistTestBase`, shipped
 in the torch wheel. torch runs them by spawning one process per rank with multiprocessing;
 ringcoll's ranks are MPI's, so this runs them under `mpiexec` instead: the launch is adapted,
@@ -27,12 +29,15 @@ The backend's feature sets: torch's decorators skip a test unless BACKEND is in
 `DistTestCases.backend_feature[...]` (the "plugin" slot is for backends like this one). The
 worker adds "ringcoll" to the sets of what it implements (ddp, subgroup, gpu, cuda, plugin)
 and to `skip_collective["sendrecv anysource"]` (its receives name their source), before the
-suite is imported. Tests that torch gates on the names "gloo"/"nccl" stay skipped: the
-comparison below lists them.
+suite is imported. Tests that torch gates on the names "gloo"/"nccl" stay skipped there; the
+driver runs each test gloo passes and ringcoll does not again, past the gate (--force: a
+unittest skip decorator set aside), then, if it still fails, with its body on gloo's branch
+(--as-gloo: the suite's BACKEND reads "gloo", every group the test makes is ringcoll's).
 
-The driver prints per world size and backend the passed / failed / skipped counts, and every
-test that passed on gloo but not on ringcoll that is not in KNOWN (with its reason); it exits 1
-when there is such a test or a worker job failed to start.
+The driver (run_and_compare) prints per world size each backend's passed / failed / skipped
+counts and what ringcoll did with each test gloo passed: passed, passed past the gate, passed
+as gloo, known (KNOWN, with the reason: docs/torch.md lists them), or regressed; it exits 1
+on a regression (with its traceback) or when a job runs none of its tests.
 """
 
 import argparse
@@ -46,7 +51,6 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
 # Tests that pass on gloo and cannot pass on ringcoll, each with the reason (docs/torch.md has
 # the same list, with what a user does instead).
