@@ -278,15 +278,9 @@ def _op_name(op, dtype, ctx):
         if name == "avg":
             raise InvalidTypeError(f"{ctx}AVG of bool tensors has no meaning; convert to float")
         return _BOOL_OPS[name]
-    if _integer_avg(op, dtype):
+    if name == "avg" and not (dtype.is_floating_point or dtype.is_complex):
         return "sum"  # divided afterwards: _then_average
     return name
-
-
-def _integer_avg(op, dtype):
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
-    return kind == RED.AVG and not (dtype.is_floating_point or dtype.is_complex
-                                    or dtype == torch.bool)
 
 
 def _premul(op, t, keep=False):
@@ -417,8 +411,8 @@ class ProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         ctx = self._ctx("allreduce")
-        if any(isinstance(t, torch.Tensor) and t.layout == torch.sparse_coo for t in tensors):
-            return self._sparse_allreduce(tensors, opts, ctx)
+        if tensors and isinstance(tensors[0], torch.Tensor) and tensors[0].is_sparse:
+            return self._sparse_allreduce(tensors, opts, ctx)  # (a dense one among: refused)
         call, reqs = self._call(ctx, tensors), []
         for t in tensors:
             name = _op_name(opts.reduceOp, t.dtype, ctx)
@@ -432,7 +426,10 @@ class ProcessGroup(dist.ProcessGroup):
         """AVG of an integer tensor as NCCL computes it (ncclAvg): the collective sums, in the
         tensor's dtype (wrapping as that sum does), then each element of the result, in c, is
         divided by the group's size, truncated toward zero (C's integer division)."""
-        if _integer_avg(op, c.dtype):
+        dtype = c.dtype  # (floats first: the op's kind costs a C++ call)
+        if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+            return
+        if (op.op if isinstance(op, dist.ReduceOp) else op) == RED.AVG:
             call.later.insert(0, lambda: c.div_(self.comm.size, rounding_mode="trunc"))
 
     def _sparse_allreduce(self, tensors, opts, ctx):
