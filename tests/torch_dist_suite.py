@@ -165,8 +165,9 @@ def _run_one(Suite, name, rank, size, store, dist, common_utils, suite, skip_cod
     try:
         case = Suite(name)
         method = getattr(case, name)
-        if getattr(method, "__unittest_skip__", False) and not force:  # unittest.skip: unittest's run()
-            raise unittest.SkipTest(method.__unittest_skip_why__)  # honours it, not a call
+        # a unittest.skip decorator: unittest's run() honours it, a plain call does not
+        if getattr(method, "__unittest_skip__", False) and not force:
+            raise unittest.SkipTest(method.__unittest_skip_why__)
         case.rank, case.file_name = rank, store
         timeout = suite.CUSTOM_PG_TIMEOUT.get(name, suite.default_pg_timeout)
         dist.init_process_group(init_method=case.init_method, backend=os.environ["BACKEND"],

@@ -21,11 +21,12 @@ Point-to-point sends and receives are posted at once (MPI requests) and a second
 for them in order, completing their futures; a receive names its source (ringcoll has no
 wildcard receive).
 
-Reductions: SUM, AVG (floats; integers as NCCL: the sum divided, truncated), PRODUCT, MIN, MAX, and BAND/BOR/BXOR of integers; bool tensors
-reduce as NCCL's do (SUM and MAX are a logical or, PRODUCT and MIN a logical and);
-PREMUL_SUM(f) multiplies the input by f, then sums. One call's tensors are on one device; a
-group takes CPU and CUDA tensors from call to call, as gloo's does, and every rank of one call
-must pass the same kind (see docs/torch.md).
+Reductions: SUM, AVG (of integers as NCCL's: the sum divided by the size, truncated), PRODUCT,
+MIN, MAX, and BAND/BOR/BXOR of integers; bool tensors reduce as NCCL's do (SUM and MAX are a
+logical or, PRODUCT and MIN a logical and); PREMUL_SUM(f) multiplies the input by f, then
+sums; all_reduce SUMs sparse COO tensors too, as gloo's. One call's tensors are on one device;
+a group takes CPU and CUDA tensors from call to call, as gloo's does, and every rank of one
+call must pass the same kind (see docs/torch.md).
 """
 
 import functools
