@@ -273,23 +273,26 @@ class _Remembered:
         if not all(a.flags.writeable for a in arrays):
             return None
         r = cls()
-        r.args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a
-                       for a in args + tuple(kwargs.values()))
-        r.keys = tuple(kwargs)
-        # the core no longer matches its arguments (see Communicator.again): an array the
-        # caller retypes in place (x.dtype = ...) is read anew here. (A reshape in place
-        # keeps the memory and the element count, which is all an MPI call reads.)
-        r.layouts = tuple((a, a.dtype) for a in arrays)
         # The common call (ndarrays given positionally, everything else a scalar: op, root,
         # a datatype) is matched by one C comparison of the tuples and of the keyword dicts,
         # then each array by identity. That comparison alone would take a new size-1 array
         # or bytearray equal in value to the kept one for the same: hence the identities.
-        r.kwargs = r.arrays = None
+        # The core no longer matches its arguments (see Communicator.again): an array the
+        # caller retypes in place (x.dtype = ...) is read anew here, hence the dtypes. (A
+        # reshape in place keeps the memory and the element count, which is all an MPI call
+        # reads.)
         if all(_scalar(v) for v in kwargs.values()) and all(
                 isinstance(a, np.ndarray) or _scalar(a) for a in args):
-            r.kwargs, r.args = dict(kwargs), tuple(args)
+            r.args, r.kwargs = tuple(args), dict(kwargs)
             r.arrays = tuple((i, a, a.dtype) for i, a in enumerate(args)
                              if isinstance(a, np.ndarray))
+            r.keys = r.layouts = None
+        else:  # spec lists, buffer objects, arrays by keyword: _matches_any
+            r.args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a
+                           for a in args + tuple(kwargs.values()))
+            r.keys = tuple(kwargs)
+            r.layouts = tuple((a, a.dtype) for a in arrays)
+            r.kwargs = r.arrays = None
         if copy is None:
             r.run = again
         else:

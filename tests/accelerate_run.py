@@ -39,12 +39,9 @@ def main():
     if args.backend == "ringcoll":
         import ringcoll.torch  # noqa: F401  (registers the backend; fills RANK, WORLD_SIZE..)
         dist.init_process_group("ringcoll")
-    else:  # what Accelerate does on its own for CPU ranks launched by mpiexec
-        import os
-        os.environ.update(RANK=str(world.rank), WORLD_SIZE=str(world.size),
-                          LOCAL_RANK=str(world.rank), MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(world.bcast(_free_port() if world.rank == 0
-                                                      else None)))
+    else:  # gloo's env:// reads the same variables, filled from MPI the same way
+        from ringcoll.torch.rendezvous import fill_env
+        fill_env()
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
@@ -87,13 +84,6 @@ def main():
             json.dump({"params": params.tolist(), "failures": failures}, f)
     accelerator.end_training()
     return 1 if world.allreduce(len(failures)) else 0
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

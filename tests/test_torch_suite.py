@@ -11,6 +11,8 @@ Which tests run where (CI's budget, 2 cores): every test at world size 2; at 3 a
 the number of ranks (DDP's models and the profiler variants run at 2 only).
 """
 
+import re
+
 import pytest
 
 import _mpirun as mpirun
@@ -37,7 +39,6 @@ def names():
 @pytest.mark.parametrize("nprocs, only", SIZES, ids=[f"n{n}" for n, _ in SIZES])
 def test_torch_suite_passes_on_ringcoll_what_it_passes_on_gloo(nprocs, only, names,
                                                               mpi_timings, mpi_notes):
-    import re
     chosen = [n for n in names if re.search(only, n)]
     assert len(chosen) > (200 if not only else 40), f"only {len(chosen)} tests chosen"
     lines = []

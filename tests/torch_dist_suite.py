@@ -91,16 +91,16 @@ def worker(args):
                       INIT_METHOD="env://")
     import torch.distributed as dist
     from torch.testing._internal import common_distributed, common_utils
+    # RANK, WORLD_SIZE, MASTER_ADDR/PORT from MPI: ringcoll's backend and gloo's env:// (a
+    # test that reinitialises the group with INIT_METHOD) read them alike
+    from ringcoll.torch.rendezvous import fill_env
+    fill_env()
     if args.backend == "ringcoll":
-        import ringcoll.torch  # noqa: F401  (registers the backend; fills MASTER_ADDR/PORT)
+        import ringcoll.torch  # noqa: F401  (registers the backend)
         cases = common_distributed.DistTestCases
         for feature in ("ddp", "subgroup", "gpu", "cuda", "plugin"):
             cases.backend_feature[feature].add("ringcoll")
         cases.skip_collective["sendrecv anysource"].add("ringcoll")
-    else:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(world.bcast(_free_port() if rank == 0
-                                                             else None)))
     from torch.testing._internal.distributed import distributed_test as suite
     if args.as_gloo:  # the test's body takes gloo's code path; every group it makes is ours
         suite.BACKEND = "gloo"
@@ -200,13 +200,6 @@ def _combine(outcomes):
     first = next(iter(details.values()), "")
     return {"outcome": kind, "detail": first, "ranks": details if kind == "failed" else {},
             "seconds": max(o["seconds"] for o in outcomes)}
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------- the driver

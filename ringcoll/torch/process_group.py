@@ -269,8 +269,13 @@ class _Call:
         self.keep.clear()
 
 
+def _kind(op):
+    """A ReduceOp's kind (RED.SUM, ...): torch passes a ReduceOp or its kind alone."""
+    return op.op if isinstance(op, dist.ReduceOp) else op
+
+
 def _op_name(op, dtype, ctx):
-    kind = op.op if isinstance(op, dist.ReduceOp) else op
+    kind = _kind(op)
     name = _OPS.get(kind)
     if name is None:
         raise InvalidArgumentError(f"{ctx}reduce op {kind} is not supported; use SUM, AVG, "
@@ -430,7 +435,7 @@ class ProcessGroup(dist.ProcessGroup):
         dtype = c.dtype  # (floats first: the op's kind costs a C++ call)
         if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
             return
-        if (op.op if isinstance(op, dist.ReduceOp) else op) == RED.AVG:
+        if _kind(op) == RED.AVG:
             call.later.insert(0, lambda: c.div_(self.comm.size, rounding_mode="trunc"))
 
     def _sparse_allreduce(self, tensors, opts, ctx):
@@ -438,8 +443,7 @@ class ProcessGroup(dist.ProcessGroup):
         every rank's indices and values all-gathered (their counts first), then summed into
         one coalesced tensor that replaces each input's contents. Blocking: the second
         all-gather's counts come from the first."""
-        kind = opts.reduceOp.op if isinstance(opts.reduceOp, dist.ReduceOp) else opts.reduceOp
-        if kind != RED.SUM:
+        if _kind(opts.reduceOp) != RED.SUM:
             raise InvalidArgumentError(f"{ctx}sparse tensors reduce with SUM only (as gloo's); "
                                        "call .to_dense() for another op")
         for t in tensors:
