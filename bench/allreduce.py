@@ -7,9 +7,10 @@ All-reduce: every rank ends with the element-wise reduction (-o, default sum) of
   run     comm.allreduce(x, op, algorithm=a, out=y); in-place: out=x
   check   rank r contributes its own integer-valued data; every rank compares all S bytes
           with the exact reduction
-  -a      auto, ring, recursive_doubling, rabenseifner, bruck, hierarchical, native
-          (default all but bruck and hierarchical, plus bruck when p is not a power of two
-          and hierarchical when ranks span > 1 node)
+  -a      auto, ring, recursive_doubling, rabenseifner, bruck, hierarchical, node, native
+          (default all but bruck, hierarchical and node, plus bruck when p is not a power of
+          two, hierarchical when ranks span > 1 node and node, the node tier, when every
+          rank shares one node: what auto may pick there, so "auto vs best" sees it)
   extra   --gloo: torch.distributed all_reduce over Gloo too (row 'gloo'), if torch is
           installed (else a one-line note): in-place all_reduce(x) on a torch.from_numpy view;
           out-of-place out.copy_(x) then all_reduce(out); one host only; no avg, no int16 or
@@ -21,7 +22,7 @@ All-reduce: every rank ends with the element-wise reduction (-o, default sum) of
 from harness import Spec, main
 
 ALGORITHMS = ("auto", "ring", "recursive_doubling", "rabenseifner", "bruck", "hierarchical",
-              "native")
+              "node", "native")
 
 
 def defaults(comm):
@@ -30,6 +31,8 @@ def defaults(comm):
         algs.insert(-1, "bruck")
     if len(comm.nodes) > 1:
         algs.insert(-1, "hierarchical")
+    elif comm.size > 1:
+        algs.insert(-1, "node")
     return algs
 
 

@@ -86,6 +86,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringcoll
+from ringcoll.tune import progress_printer
 from harness import WORLD, _Parser, environment, parse_size
 from ringcoll.checkpoint import shard
 
@@ -129,7 +130,8 @@ def parse_args(argv):
     ap.add_argument("--profile-bytes", type=parse_size, default=parse_size("64M"))
     ap.add_argument("--profile-top", type=int, default=12)
     ap.add_argument("--json", metavar="FILE", help="every figure and the environment")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress lines (they go to the terminal only)")
     args = ap.parse_args(argv)
     if args.minbytes < 4 * args.tensors or args.maxbytes < args.minbytes:
         ap.error(f"need {4 * args.tensors} <= -b <= -e")
@@ -414,10 +416,10 @@ def _main(argv):
     rank, p = comm.rank, comm.size
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
+    progress = progress_printer(rank == 0 and not args.quiet)
+
     def log(msg):
-        if rank == 0 and not args.quiet:
-            print(f"[checkpoint {time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr,
-                  flush=True)
+        progress(f"[checkpoint {time.perf_counter() - start:6.1f} s] {msg}")
 
     folder = None
     if rank == 0:

@@ -13,7 +13,8 @@ all of them:
   (decimal GB/s); busbw = algbw x the collective's factor; ratio = native time / this time;
 - the iteration count shrinks at large sizes to fit --budget seconds per size: rank 0 decides
   from the slowest rank's first call and broadcasts it, so every rank runs the same number;
-- a table on stdout, a progress line per size on stderr, and optional --json/--csv/--plot.
+- a table on stdout, a progress line per size on the terminal only (never in redirected
+  output), and optional --json/--csv/--plot.
 
 Exit status: 0 ok, 1 wrong results (#wrong > 0), 2 bad arguments or a missing optional
 dependency that was asked for (--plot without matplotlib), 3 a --target-ratio miss.
@@ -39,6 +40,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringcoll
+from ringcoll.tune import progress_printer
 
 WORLD = MPI.COMM_WORLD  # the harness's own coordination (barriers, max of times): never ringcoll
 OUT, IN = "out-of-place", "in-place"
@@ -276,7 +278,8 @@ def build_parser(spec):
     p.add_argument("--csv", metavar="FILE", help="write one row per size, algorithm and mode")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw and ratio vs size "
                                                       "(needs matplotlib)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (they go to the terminal only)")
     p.set_defaults(modes=None, gloo=False)
     return p
 
@@ -852,6 +855,7 @@ def _main(spec, argv):
         say(line)
 
     rows, start = [], time.perf_counter()
+    progress = progress_printer(rank == 0 and not args.quiet)
     for i, (nbytes, count) in enumerate(sizes):
         case = Case(rank, p, count, dtype, op, args.root)
         runs = []
@@ -862,10 +866,8 @@ def _main(spec, argv):
             if gloo is not None:
                 runs.append(Run("gloo", m, "gloo"))
         iters, warm = measure(spec, comm, gloo, case, runs, args)
-        if rank == 0 and not args.quiet:
-            print(f"[{spec.name}] {i + 1}/{len(sizes)} {nbytes} B: {len(runs)} runs x "
-                  f"{iters} iters (+{warm} warm-up), {time.perf_counter() - start:.1f} s elapsed",
-                  file=sys.stderr, flush=True)
+        progress(f"[{spec.name}] {i + 1}/{len(sizes)} {nbytes} B: {len(runs)} runs x "
+                 f"{iters} iters (+{warm} warm-up), {time.perf_counter() - start:.1f} s elapsed")
         new = results_for_size(spec, case, runs, iters, warm, p)
         rows.extend(new)
         for line in table.rows(new):

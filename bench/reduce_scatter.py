@@ -26,7 +26,7 @@ def run(comm, x, y, algorithm, c):
 SPEC = Spec(
     name="reduce_scatter",
     busbw_factor=lambda p: (p - 1) / p,
-    algorithms=("ring", "native"),
+    algorithms=("ring", "node", "native"),  # node: -a only, auto runs it on GPUs alone
     default_algorithms=lambda comm: ["ring", "native"],
     make=make,
     run=run,

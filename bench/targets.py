@@ -80,6 +80,7 @@ import numpy as np
 from mpi4py import MPI
 
 import ringcoll
+from ringcoll.tune import progress_printer
 from harness import IN, OUT, WORLD, Case, Gloo, count_wrong, environment, parse_size
 
 
@@ -175,7 +176,8 @@ def parse_args(argv):
                     help="timed iterations per call and size at most (default 20000)")
     ap.add_argument("--rounds", type=int, default=5,
                     help="round-robin rounds the iterations are split into, at most (default 5)")
-    ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("-q", "--quiet", action="store_true",
+                    help="no progress lines (they go to the terminal only)")
     args = ap.parse_args(argv)
     if args.repeat < 1 or args.budget <= 0 or args.max_iters < MIN_ITERS or args.rounds < 1:
         ap.error(f"need --repeat >= 1, --budget > 0, --max-iters >= {MIN_ITERS}, --rounds >= 1")
@@ -542,10 +544,10 @@ def _main(argv):
     rank, p = comm.rank, comm.size
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
+    progress = progress_printer(rank == 0 and not args.quiet)
+
     def log(msg):
-        if rank == 0 and not args.quiet:
-            print(f"[targets {time.perf_counter() - start:6.1f} s] {msg}", file=sys.stderr,
-                  flush=True)
+        progress(f"[targets {time.perf_counter() - start:6.1f} s] {msg}")
 
     notes, gloo, gloo_why = [], None, ""
     if any(t.reference == "gloo" for t in args.targets):

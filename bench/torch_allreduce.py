@@ -41,6 +41,7 @@ from harness import (IN, WORLD, Case, Gloo, Run, Spec, Table, UsageError, _type_
                      add_sweep_arguments, make_sizes, measure, parse_size, resolve_dtype,
                      results_for_size)
 from mpi4py import MPI
+from ringcoll.tune import progress_printer
 
 BACKENDS = ("ringcoll", "gloo")
 
@@ -90,7 +91,8 @@ def build_parser():
                         "--target-min-bytes")
     p.add_argument("--target-min-bytes", type=parse_size, default=0)
     p.add_argument("--json", metavar="FILE", help="every figure and the environment")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (they go to the terminal only)")
     return p
 
 
@@ -199,14 +201,13 @@ def _main(argv):
         say(line)
 
     rows, start = [], time.perf_counter()
+    progress = progress_printer(rank == 0 and not args.quiet)
     for i, (nbytes, count) in enumerate(sizes):
         case = Case(rank, p, count, dtype, args.op, -1)
         runs = [Run(b, IN, b) for b in backends]
         iters, warm = measure(spec, None, gloo, case, runs, args)
-        if rank == 0 and not args.quiet:
-            print(f"[torch_allreduce] {i + 1}/{len(sizes)} {nbytes} B: {len(runs)} groups x "
-                  f"{iters} iters (+{warm} warm-up), {time.perf_counter() - start:.1f} s elapsed",
-                  file=sys.stderr, flush=True)
+        progress(f"[torch_allreduce] {i + 1}/{len(sizes)} {nbytes} B: {len(runs)} groups x "
+                 f"{iters} iters (+{warm} warm-up), {time.perf_counter() - start:.1f} s elapsed")
         new = results_for_size(spec, case, runs, iters, warm, p)
         ref = next(r["time_us"] for r in new if r["algorithm"] == "gloo")
         for r in new:

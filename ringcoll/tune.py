@@ -100,7 +100,8 @@ def build_parser():
                    help="seconds of timed calls per size, all algorithms and modes (1.0)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: 8 B to 1 MiB x16, 3 rounds, 0.1 s per size")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress lines (they go to the terminal only)")
     return p
 
 
@@ -117,6 +118,50 @@ def parse_args(argv, rank):
     if args.minbytes > args.maxbytes:
         raise UsageError(f"-b {args.minbytes} is larger than -e {args.maxbytes}")
     return args
+
+
+def progress_printer(enabled=True):
+    """print-like function for progress lines. They go to the terminal where the job's stderr
+    ends up, never into a file or pipe, so that output redirected to a file (`> out`, `2>&1`)
+    holds the table alone. mpiexec pipes each rank's stderr through its proxy, so the rank's
+    own stderr.isatty() cannot tell: follow the pipe up the process tree (rank, proxy,
+    mpiexec) to the first process whose stderr is not a pipe and write there if that is a
+    terminal. enabled False (-q, ranks but 0) or no terminal (CI, a detached job, or no /proc
+    to read): a function that does nothing."""
+    tty = _stderr_terminal() if enabled else None
+    if tty is None:
+        return lambda line: None
+
+    def say(line):
+        tty.write(f"{line}\n")
+        tty.flush()
+    return say
+
+
+def _stderr_terminal(max_hops=8):
+    """The terminal at the end of this process's stderr pipe chain, opened for writing; None
+    if it ends in a file or anything but a terminal."""
+    if sys.stderr is not None and sys.stderr.isatty():
+        return sys.stderr
+    pid = os.getpid()
+    for _ in range(max_hops):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/2")
+            if not target.startswith(("pipe:", "socket:")):
+                if not target.startswith("/dev/"):
+                    return None
+                tty = open(target, "w", encoding="utf-8")  # noqa: SIM115 - kept for the run
+                if tty.isatty():
+                    return tty
+                tty.close()
+                return None
+            with open(f"/proc/{pid}/stat") as stat:
+                pid = int(stat.read().rsplit(")", 1)[1].split()[1])  # field 4: the parent
+        except (OSError, ValueError, IndexError):
+            return None
+        if pid <= 1:
+            return None
+    return None
 
 
 @contextlib.contextmanager
@@ -461,8 +506,7 @@ def _main(argv, world):
     rank, p = world.Get_rank(), world.Get_size()
     args = parse_args(argv, rank)
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    progress = ((lambda line: print(line, file=sys.stderr, flush=True))
-                if rank == 0 and not args.quiet else (lambda line: None))
+    progress = progress_printer(rank == 0 and not args.quiet)
     if p < 2:
         raise UsageError("an all-reduce on 1 process moves nothing; run it under "
                          "mpiexec -n P with P >= 2, once per process count you use")
