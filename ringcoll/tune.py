@@ -15,9 +15,14 @@ At every size of -b/-e/-f (float32 sum) it
   2. per mode, picks an algorithm at each size within 5% of the fastest there, with as few
      switches between algorithms as that allows (so an algorithm that wins one size by a
      hair is taken for noise, not a crossover), and merges consecutive sizes with the same
-     pick into [max_bytes, algorithm] ranges: the crossover table;
-  3. fits CostModel's alpha, beta, gamma (>= 0) to the out-of-place times of the flat
-     algorithms, minimising the squared relative error: the model auto falls back on at
+     pick into [max_bytes, algorithm] ranges: the crossover table. Where -o already holds
+     an entry for 4 ranks on one node (and this run is another p on one node), of the
+     algorithms within 5% here only those within 5% of the best of them at p=4 stay
+     candidates: a tie goes to the algorithm that is faster at -n 4 too, not to this run's
+     noise (so run p=4 first);
+  3. fits CostModel's alpha, beta, gamma (>= 0), and the node tier's node_alpha, node_beta
+     where it was measured, to the out-of-place times of the flat algorithms and the
+     tier, minimising the squared relative error: the model auto falls back on at
      process counts the file has no table for, if its picks here were at least as good as
      those of CostModel()'s defaults (the summed time / fastest over all sizes and modes;
      otherwise the fit is recorded with "fallback": false and the defaults stay);
@@ -28,7 +33,9 @@ At every size of -b/-e/-f (float32 sum) it
 
 Regenerate the table shipped with ringcoll (its 2-core development machine, embedded MPICH):
 
-    for p in 2 3 4; do mpiexec -n $p python -m ringcoll.tune -o ringcoll/tuning_default.json; done
+    for p in 4 2 3; do mpiexec -n $p python -m ringcoll.tune -o ringcoll/tuning_default.json; done
+
+(p=4 first: its entry breaks the ties of the others).
 
 Exit status: 0 written, 2 bad arguments or an -o file that is not a tuning file (nothing is
 measured then), 1 anything else (every rank is aborted, none is left waiting).
@@ -56,6 +63,7 @@ from .algorithms import FLAT, CostModel, bruck
 from .tuning import FORMAT, MODES, VERSION, Tuning, TuningFileError, node_shape
 
 SLACK = 0.05  # a table's pick may be this much slower than the fastest, for fewer crossovers
+TIE_BREAK_P = 4  # ties within SLACK go to the algorithm faster at this p too (its entry)
 MAX_ITERS = 500  # calls per batch at most (small sizes: enough to average out the timer)
 QUICK = {"minbytes": 8, "maxbytes": 1 << 20, "stepfactor": 16, "rounds": 3, "budget": 0.1}
 SHORT = {"recursive_doubling": "rec_doubling", "rabenseifner": "rabenseifner", "ring": "ring",
@@ -247,7 +255,7 @@ def measure_size(comm, world, nbytes, runs, rounds, budget):
 
 
 # -- what the measurements say --------------------------------------------------------------------
-def crossovers(sizes, times, slack=SLACK):
+def crossovers(sizes, times, slack=SLACK, reference=None):
     """[[max_bytes, algorithm], ...] from {algorithm: [seconds at each size]}.
 
     At every size the pick is within `slack` of the fastest there; among all such sequences,
@@ -255,15 +263,26 @@ def crossovers(sizes, times, slack=SLACK):
     fastest. With slack=0 that is the fastest at every size; with a little slack, an
     algorithm that wins one size by a hair between sizes another one wins is noise, not a
     crossover. Consecutive sizes with the same pick are merged into one range.
+
+    reference ({nbytes: {algorithm: seconds}}, the same mode measured at another process
+    count, see tie_break_reference) breaks ties: of the algorithms within slack here, only
+    those also within slack of the best of them there stay candidates. Two algorithms this
+    run cannot tell apart then go to the one that is faster elsewhere too, rather than to
+    whichever this run's noise favoured.
     """
     paths = {}  # algorithm -> (switches, summed ratio, picks) of the best sequence ending in it
-    for i in range(len(sizes)):
+    for i, nbytes in enumerate(sizes):
         fastest = min(t[i] for t in times.values())
+        near = [name for name, t in times.items() if t[i] <= (1 + slack) * fastest]
+        there = (reference or {}).get(nbytes, {})
+        known = [name for name in near if math.isfinite(there.get(name, math.inf))]
+        if known:
+            best_there = min(there[name] for name in known)
+            near = [name for name in near if name not in there
+                    or there[name] <= (1 + slack) * best_there]
         grown = {}
-        for name, t in times.items():
-            ratio = t[i] / fastest
-            if ratio > 1 + slack:
-                continue
+        for name in near:
+            ratio = times[name][i] / fastest
             if not paths:  # the first size
                 grown[name] = (0, ratio, [name])
                 continue
@@ -281,18 +300,24 @@ def crossovers(sizes, times, slack=SLACK):
     return ranges
 
 
-def fit(sizes, times, p):
-    """CostModel alpha, beta, gamma >= 0 that minimise the summed squared relative error of
-    its predictions for the flat algorithms in `times` ({algorithm: [seconds at each size]}).
+FITTED = ("alpha", "beta", "gamma", "node_alpha", "node_beta")
 
-    The model is linear in (alpha, beta, gamma), so its coefficients at each point are the
-    predictions of the unit models (1, 0, 0), (0, 1, 0), (0, 0, 1): the fit follows
-    CostModel's formulas whatever they become. Returns (CostModel, rms relative error).
+
+def fit(sizes, times, p):
+    """CostModel alpha, beta, gamma >= 0 (and node_alpha, node_beta where `times` has the
+    node tier) that minimise the summed squared relative error of its predictions for the
+    flat algorithms and the node tier in `times` ({algorithm: [seconds at each size]}).
+
+    The model is linear in its five terms, so its coefficients at each point are the
+    predictions of the unit models (one term 1, the others 0): the fit follows CostModel's
+    formulas whatever they become. The node tier shares gamma (the same ufuncs reduce) and
+    has its own handoff and copy terms. Returns (CostModel, rms relative error).
     """
-    units = [CostModel(alpha=1, beta=0, gamma=0), CostModel(alpha=0, beta=1, gamma=0),
-             CostModel(alpha=0, beta=0, gamma=1)]
+    names = [n for n in (*FLAT, "node") if n in times]
+    terms = FITTED if "node" in names else FITTED[:3]
+    units = [CostModel(**{k: float(k == term) for k in FITTED}) for term in terms]
     rows, measured = [], []
-    for name in (n for n in FLAT if n in times):
+    for name in names:
         for nbytes, seconds in zip(sizes, times[name], strict=True):
             if not math.isfinite(seconds):  # not timed at this size
                 continue
@@ -302,7 +327,7 @@ def fit(sizes, times, p):
     a = np.array(rows) / t[:, None]  # relative error: every size weighs the same
     x = _nonnegative_least_squares(a, np.ones(len(t)))
     rms = float(np.sqrt(np.mean((a @ x - 1) ** 2)))
-    return CostModel(alpha=float(x[0]), beta=float(x[1]), gamma=float(x[2])), rms
+    return CostModel(**{k: float(v) for k, v in zip(terms, x, strict=True)}), rms
 
 
 def _nonnegative_least_squares(a, b):
@@ -383,14 +408,33 @@ def to_json(obj, indent=""):
 def slowdown(model, sizes, medians, p, nodes):
     """The summed time / fastest of a cost model's picks over every measured size and mode."""
     total = 0.0
+    tier = "node" in medians["outofplace"]
     for mode in MODES:
         for i, nbytes in enumerate(sizes):
             at = {name: t[i] for name, t in medians[mode].items()}
-            total += at[model.choose_allreduce(nbytes, p, nodes)] / min(at.values())
+            total += at[model.choose_allreduce(nbytes, p, nodes, tier)] / min(at.values())
     return total
 
 
-def make_entry(comm, sizes, medians, model, rms, args, argv, hosts):
+def tie_break_reference(existing, p, nodes, mode):
+    """{nbytes: {algorithm: seconds}} of `mode` in the file's entry for 4 ranks on one node
+    (the shipped table's largest process count that does not oversubscribe a 4-core
+    machine), what crossovers breaks ties with; None when this run is that entry, or the
+    file has none, or its medians are not in it. One node only: across nodes the
+    algorithms' order at another p says little."""
+    if p == TIE_BREAK_P or len(nodes) != 1:
+        return None
+    for e in (existing or {}).get("entries", []):
+        measured = e.get("measured", {})
+        if e.get("p") == TIE_BREAK_P and e.get("nodes") == [TIE_BREAK_P] \
+                and mode in measured and "sizes" in measured:
+            return {nbytes: {name: (us[i] / 1e6 if us[i] is not None else math.inf)
+                             for name, us in measured[mode].items()}
+                    for i, nbytes in enumerate(measured["sizes"])}
+    return None
+
+
+def make_entry(comm, sizes, medians, model, rms, args, argv, hosts, existing=None):
     """This run's entry of the tuning file (the format: ringcoll.tuning's docstring)."""
     fallback = (slowdown(model, sizes, medians, comm.size, comm.nodes)
                 <= slowdown(CostModel(), sizes, medians, comm.size, comm.nodes))
@@ -400,11 +444,14 @@ def make_entry(comm, sizes, medians, model, rms, args, argv, hosts):
     return {
         "p": comm.size,
         "nodes": node_shape(comm.nodes),
-        "outofplace": crossovers(sizes, medians["outofplace"]),
-        "inplace": crossovers(sizes, medians["inplace"]),
-        "model": {"alpha": float(f"{model.alpha:.4g}"), "beta": float(f"{model.beta:.4g}"),
-                  "gamma": float(f"{model.gamma:.4g}"),
-                  "fitted_to": "out-of-place medians of " + ", ".join(FLAT)
+        **{mode: crossovers(sizes, medians[mode], reference=tie_break_reference(
+            existing, comm.size, comm.nodes, mode)) for mode in ("outofplace", "inplace")},
+        "tie_break": (f"within {SLACK:.0%}, the faster at p={TIE_BREAK_P} (this file's "
+                      "entry)" if tie_break_reference(existing, comm.size, comm.nodes,
+                                                      "outofplace") else "none"),
+        "model": {**{k: float(f"{getattr(model, k):.4g}") for k in FITTED
+                     if getattr(model, k) is not None},
+                  "fitted_to": "out-of-place medians of " + ", ".join(medians["outofplace"])
                                + "; least squares of the relative error",
                   "rms_relative_error": round(rms, 4), "fallback": fallback},
         "measured": {"dtype": "float32", "op": "sum", "unit": "us per call",
@@ -441,15 +488,19 @@ def summary(sizes, medians, entry, nodes, before, model, rms, seconds):
     lines = [(f"# ringcoll tune: p={p}, nodes {entry['nodes']}, {entry['mpi_library']}, "
               f"{len(sizes)} sizes in {seconds:.0f} s"),
              (f"# fitted cost model: alpha {model.alpha * 1e6:.2f} us, beta "
-              f"{model.beta * 1e9:.4f} ns/B, gamma {model.gamma * 1e9:.4f} ns/B "
-              f"(rms relative error {rms:.0%})")]
+              f"{model.beta * 1e9:.4f} ns/B, gamma {model.gamma * 1e9:.4f} ns/B"
+              + (f", node tier {model.node_alpha * 1e6:.2f} us per handoff and "
+                 f"{model.node_beta * 1e9:.4f} ns/B copied" if model.node_beta is not None
+                 else "")
+              + f" (rms relative error {rms:.0%})")]
     for mode in MODES:
         lines.append(f"# crossovers {mode:>10}: {describe(entry[mode])}")
     names = list(medians["outofplace"])
     table = Tuning.from_dict(merge(None, entry)).tables[0]
     choosers = {"new table": lambda n, inplace: table.choose(n, inplace),
                 "auto before": before,
-                "fitted model": lambda n, inplace: model.choose_allreduce(n, p, nodes)}
+                "fitted model": lambda n, inplace: model.choose_allreduce(
+                    n, p, nodes, tier="node" in names)}
     lines.append("#")
     lines.append("# time per call (us; median of rounds, slowest rank); 'x' = that pick's time "
                  "/ the fastest's")
@@ -534,7 +585,8 @@ def _main(argv, world):
     medians = measure(comm, world, sizes, candidates(comm), args.rounds, args.budget, progress)
     seconds = time.perf_counter() - start
     model, rms = fit(sizes, medians["outofplace"], p)
-    entry = make_entry(comm, sizes, medians, model, rms, args, argv, hosts)
+    existing = world.bcast(existing, root=0)  # its p=4 entry breaks ties (on every rank alike)
+    entry = make_entry(comm, sizes, medians, model, rms, args, argv, hosts, existing)
     if rank == 0:
         data = merge(existing, entry)
         Tuning.from_dict(data, args.output)  # what auto will read back must load

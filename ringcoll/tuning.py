@@ -54,7 +54,8 @@ that every rank sends (alltoallv), 0 for barrier. A collective the
 entry does not list, or a p without an entry, runs its own algorithm (the first of its
 ALGORITHMS) under auto. An entry may hold only "collectives", then the all-reduce uses the
 cost model. "model" holds the fitted alpha (s per
-message), beta (s per byte moved) and gamma (s per byte reduced); tune sets "fallback" only
+message), beta (s per byte moved) and gamma (s per byte reduced), and where tune measured the
+node tier its node_alpha (s per counter handoff) and node_beta (s per byte copied); tune sets "fallback" only
 when the fit's picks were at least as good as CostModel()'s defaults on the entry's own
 measurements (three numbers often cannot describe a machine where Python's per-step cost
 differs between algorithms), and a fit with "fallback": false is a record, never used.
@@ -326,6 +327,14 @@ def _model(model, where):
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
             raise TuningFileError(f"{where}: model.{key} must be a number of seconds >= 0 "
                                   f"(per message, per byte moved, per byte reduced), got {v!r}")
+        values[key] = float(v)
+    for key in ("node_alpha", "node_beta"):  # optional: the node tier's own terms
+        v = model.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0:
+            raise TuningFileError(f"{where}: model.{key} must be a number of seconds >= 0 "
+                                  f"(per counter handoff, per byte copied) or absent, got {v!r}")
         values[key] = float(v)
     fallback = model.get("fallback", True)
     if not isinstance(fallback, bool):

@@ -8,6 +8,7 @@ hand-written table under MPI, in place and out of place.
 """
 
 import json
+import math
 import os
 import sys
 import time
@@ -322,6 +323,75 @@ def test_the_fit_recovers_a_model_from_its_own_predictions(p):
     assert rms < 1e-6
     for key in ("alpha", "beta", "gamma"):
         assert getattr(model, key) == pytest.approx(getattr(truth, key), rel=1e-6)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_the_fit_recovers_the_node_tier_terms(p):
+    truth = CostModel(alpha=8e-6, beta=0.03e-9, gamma=0.2e-9, node_alpha=2e-6,
+                      node_beta=0.3e-9)
+    sizes = tune.make_sizes(8, 64 << 20, 4)
+    names = ("ring", "recursive_doubling", "rabenseifner", "node")
+    times = {name: [truth.allreduce(name, n, p) for n in sizes] for name in names}
+    model, rms = tune.fit(sizes, times, p)
+    assert rms < 1e-6
+    for key in tune.FITTED:
+        assert getattr(model, key) == pytest.approx(getattr(truth, key), rel=1e-6), key
+    # without node measurements the tier's terms stay unfitted (None: derived from beta)
+    del times["node"]
+    assert tune.fit(sizes, times, p)[0].node_beta is None
+
+
+def test_a_fitted_node_beta_moves_the_model_off_the_tier():
+    """Derived terms price a byte through the tier at beta / 2, so the tier wins every large
+    size; a fitted node_beta above beta (MPICH's single-copy sends) hands them to the ring."""
+    derived = CostModel(alpha=3e-6, beta=0.1e-9, gamma=0.05e-9)
+    fitted = CostModel(alpha=3e-6, beta=0.1e-9, gamma=0.05e-9, node_alpha=3e-6,
+                       node_beta=0.2e-9)
+    nodes = [[0, 1]]
+    assert derived.choose_allreduce(64 << 20, 2, nodes, tier=True) == "node"
+    assert fitted.choose_allreduce(64 << 20, 2, nodes, tier=True) == "ring"
+    assert fitted.allreduce("node", 64 << 20, 2) > fitted.allreduce("ring", 64 << 20, 2)
+
+
+def test_ties_go_to_the_algorithm_faster_at_p4_too():
+    sizes = [1024, 2048, 4096]
+    times = {"ring": [1.00, 1.00, 1.00], "node": [1.03, 0.99, 1.04], "rabenseifner": [2, 2, 2]}
+    assert tune.crossovers(sizes, times) == [[4096, "ring"]]
+    # at p = 4 the tier was 20% ahead at every size: within 5% here, so take it
+    reference = {n: {"ring": 1.2, "node": 1.0, "rabenseifner": 3.0} for n in sizes}
+    assert tune.crossovers(sizes, times, reference=reference) == [[4096, "node"]]
+    # the reference never overrides a clear winner here (rabenseifner best at p=4, 2x here)
+    reference = {n: {"ring": 1.2, "node": 1.1, "rabenseifner": 0.5} for n in sizes}
+    assert tune.crossovers(sizes, times, reference=reference) == [[4096, "node"]]
+    # sizes the reference lacks keep every near candidate: the tier, forced at 1 KiB, then
+    # stays on (fewest switches), 4% behind at 4 KiB
+    assert tune.crossovers(sizes, times, reference={1024: {"node": 1.0, "ring": 2.0}}) == \
+        [[4096, "node"]]
+    times["node"][2] = 1.2  # unless it falls out of the slack there
+    assert tune.crossovers(sizes, times, reference={1024: {"node": 1.0, "ring": 2.0}}) == \
+        [[2048, "node"], [4096, "ring"]]
+
+
+def test_the_tie_break_reference_comes_from_the_files_p4_entry():
+    measured = {"sizes": [8, 16], "outofplace": {"ring": [5.0, None], "node": [4.0, 6.0]}}
+    p4 = {**entry(4, outofplace=[[8, "ring"]]), "measured": measured}
+    data = tuning_file(p4, entry(2, outofplace=[[8, "ring"]]))
+    ref = tune.tie_break_reference(data, 2, [[0, 1]], "outofplace")
+    assert ref == {8: {"ring": 5e-6, "node": 4e-6}, 16: {"ring": math.inf, "node": 6e-6}}
+    assert tune.tie_break_reference(data, 4, [[0, 1, 2, 3]], "outofplace") is None  # itself
+    assert tune.tie_break_reference(data, 2, [[0], [1]], "outofplace") is None  # two nodes
+    assert tune.tie_break_reference(data, 2, [[0, 1]], "inplace") is None  # not measured
+    assert tune.tie_break_reference(None, 2, [[0, 1]], "outofplace") is None
+
+
+def test_a_files_node_terms_reach_the_fallback_model():
+    e = entry(3, outofplace=[[8, "ring"]])
+    e["model"] = {"alpha": 1e-6, "beta": 1e-10, "gamma": 0.0, "node_beta": 2e-10}
+    model = Tuning.from_dict(tuning_file(e)).cost_model(3)
+    assert model.node_beta == 2e-10 and model.node_alpha is None
+    e["model"]["node_alpha"] = -1.0
+    with pytest.raises(TuningFileError, match="node_alpha"):
+        Tuning.from_dict(tuning_file(e))
 
 
 def test_the_fit_never_goes_negative():

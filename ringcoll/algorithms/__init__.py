@@ -51,6 +51,11 @@ class CostModel:
     gamma: float = 0.05e-9  # s per byte reduced by a NumPy ufunc
     inter_alpha: float | None = None  # between nodes; None = same as inside a node
     inter_beta: float | None = None
+    # the node tier's own terms (fitted by ringcoll.tune where it measured the tier):
+    # node_alpha per counter handoff, node_beta per byte one copy moves; None = derived from
+    # alpha and beta as the docstring of the node term says
+    node_alpha: float | None = None
+    node_beta: float | None = None
 
     def allreduce(self, name, nbytes, p, nodes=None):
         """Predicted seconds of all-reduce `name` on nbytes at p ranks.
@@ -78,13 +83,18 @@ class CostModel:
             return math.ceil(math.log2(p)) * a + (p - 1) * n * (b + g)
         if name == "rabenseifner":
             return 2 * steps * a + 2 * (core - 1) / core * n * b + (core - 1) / core * n * g + fold
-        if name == "node":  # 3 handoffs a chunk, each waiting on p-1 peers and costing about
-            # a message's latency (measured on 2 cores: 3.3 us at p = 2, alpha fitted 2.9 us);
-            # beta prices a byte through MPI's shared memory, which copies it twice (into its
-            # cells and out): the tier copies each byte once, by the rank that needs it
+        if name == "node":  # 3 handoffs a chunk, each waiting on p-1 peers; without fitted
+            # terms a handoff costs about a message's latency (on 2 cores: 3.3 us at p = 2,
+            # alpha fitted 2.9 us) and a byte half of beta, which prices a byte through MPI's
+            # shared memory, copied twice (into its cells and out): the tier copies each byte
+            # once, by the rank that needs it. Large messages break that: MPICH moves them
+            # with one kernel copy (CMA), and the tier's 2(p-1)/p + 1/p copies then cost more
+            # than the ring's 2(p-1)/p, which node_beta, fitted, shows (docs/node_tier.md)
             chunks = max(1, math.ceil(nbytes / node.HOST_CHUNK))
-            return (3 * chunks * (p - 1) * a
-                    + (2 * (p - 1) / p + 1 / p) * n * self.beta / 2 + (p - 1) / p * n * g)
+            na = self.node_alpha if self.node_alpha is not None else a
+            nb = self.node_beta if self.node_beta is not None else self.beta / 2
+            return (3 * chunks * (p - 1) * na
+                    + (2 * (p - 1) / p + 1 / p) * n * nb + (p - 1) / p * n * g)
         if name == "hierarchical":
             k, a, b = max(len(m) for m in nodes), self.alpha, self.beta
             local = 2 * (k - 1) * a + 2 * (k - 1) / k * n * b + (k - 1) / k * n * g
