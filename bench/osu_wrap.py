@@ -1,4 +1,4 @@
-"""mpiexec -n 2 python bench/osu_wrap.py [--demos bcast,gather] [--repeats 3] [--limit 2.0]
+"""mpiexec -n 2 python bench/osu_wrap.py [--demos bcast,gather] [--repeats 5] [--limit 2.0]
 
 mpi4py's own ports of the OSU latency benchmarks (demo/osu_*.py of the pinned mpi4py sdist,
 fetched as scripts/mpi4py_suite.py fetches it) run unchanged, in one job, on plain mpi4py and
@@ -13,9 +13,12 @@ Demos: allgather, alltoall, alltoallv, barrier, bcast, gather, scatter. Each (de
 the figure is the median of the repeats' latencies (rank 0's printed latency, as the demo
 prints it), and the ratio wrap / plain.
 
-Target (issue "every collective as fast as MPI's own"): wrap / plain <= --limit (2.0) at every
-size from 1 B to 256 KiB (the 0-byte line is printed, not judged). Exit 0 every size met, 3 a
-miss, 2 the sdist could not be had, 1 a demo failed.
+Target (restated in issue 41): at every size from 1 B to 256 KiB (the 0-byte line is printed,
+not judged), wrap within max(--limit x plain, plain + --added us) = max(2x, +2 us): the
+median of the repeats against plain's median, and with no outliers: the slowest of wrap's
+runs against the slowest of plain's, by the same bound (noise of the machine slows both
+alike; a stall of ringcoll's own, such as one run of 1,106 us against 10 us, fails).
+Exit 0 every size met, 3 a miss, 2 the sdist could not be had, 1 a demo failed.
 """
 
 import argparse
@@ -81,8 +84,10 @@ def run_demo(folder, name, comm, args):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[2])
     ap.add_argument("--demos", default=",".join(DEMOS))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--limit", type=float, default=2.0)
+    ap.add_argument("--added", type=float, default=2.0,
+                    help="us wrap may add where that is more than --limit allows (2.0)")
     ap.add_argument("--max-size", type=int, default=256 * 1024)
     ap.add_argument("--loop", type=int, default=2000, help="iterations below 8 KiB (2000)")
     ap.add_argument("--loop-large", type=int, default=100, help="iterations above (100)")
@@ -104,8 +109,8 @@ def main(argv=None):
         print(f"# ringcoll bench: osu_wrap, -n {WORLD.Get_size()}, mpi4py {mpi4py.__version__}, "
               f"{MPI.Get_library_version().splitlines()[0].strip()}")
         print(f"# mpi4py's demo/osu_*.py, unchanged, on plain mpi4py and on ringcoll.wrap(); "
-              f"median of {args.repeats} runs each; target wrap/plain <= {args.limit} "
-              "from 1 B to 256 KiB")
+              f"median of {args.repeats} runs each; target wrap <= max({args.limit}x plain, "
+              f"plain + {args.added} us) from 1 B to 256 KiB, median and slowest run alike")
     misses, failed = [], False
     for name in demos:
         runs = {"plain": [], "wrap": []}
@@ -122,21 +127,28 @@ def main(argv=None):
                     break
         if rank != 0 or failed:
             continue
-        print(f"# osu_{name}\n# {'size':>8} {'plain us':>10} {'wrap us':>10} {'wrap/plain':>10}")
+        print(f"# osu_{name}\n# {'size':>8} {'plain us':>10} {'wrap us':>10} {'wrap/plain':>10}"
+              f" {'bound us':>9} {'plain max':>10} {'wrap max':>9}")
+
+        def bound(us):
+            return max(args.limit * us, us + args.added)
         for size in sorted(runs["plain"][0]):
             plain = statistics.median(r[size] for r in runs["plain"])
             wrap = statistics.median(r[size] for r in runs["wrap"])
+            slowest = (max(r[size] for r in runs["plain"]), max(r[size] for r in runs["wrap"]))
             ratio = wrap / plain if plain > 0 else float("inf")
             judged = 1 <= size <= 256 * 1024
-            verdict = ("PASS" if ratio <= args.limit else "MISS") if judged else "-"
-            if judged and ratio > args.limit:
-                misses.append(f"{name} {size} B: {ratio:.2f}")
-            print(f"  {size:>8} {plain:>10.2f} {wrap:>10.2f} {ratio:>10.2f}  {verdict}",
-                  flush=True)
+            ok = wrap <= bound(plain) and slowest[1] <= bound(slowest[0])
+            verdict = ("PASS" if ok else "MISS") if judged else "-"
+            if judged and not ok:
+                misses.append(f"{name} {size} B: median {wrap:.2f} us (bound {bound(plain):.2f}),"
+                              f" slowest {slowest[1]:.2f} us (bound {bound(slowest[0]):.2f})")
+            print(f"  {size:>8} {plain:>10.2f} {wrap:>10.2f} {ratio:>10.2f} {bound(plain):>9.2f}"
+                  f" {slowest[0]:>10.2f} {slowest[1]:>9.2f}  {verdict}", flush=True)
     failed = WORLD.allreduce(failed, op=MPI.LOR)
     if rank == 0:
         for m in misses:
-            print(f"# MISS {m} > {args.limit}")
+            print(f"# MISS {m}")
         print(f"# {len(misses)} size(s) missed" if misses else "# every judged size met")
     wrapped.ringcoll.close()
     return 1 if failed else 3 if WORLD.bcast(bool(misses)) else 0
