@@ -11,7 +11,7 @@ docs/architecture.md for how the package is put together, bench/README.md for th
 from . import checkpoint, optim, parallel, straggler
 from .algorithms import ALLREDUCE_NAMES, CostModel
 from .checkpoint import load_checkpoint, save_checkpoint
-from .communicator import Communicator, Request
+from .communicator import ANY_SOURCE, Communicator, Request, Status
 from .async_sgd import AsyncSGD, ParameterStore
 from .compression import Compression, Compressor
 from .distributed import DistributedOptimizer, broadcast_optimizer_state, broadcast_parameters
@@ -38,6 +38,7 @@ def wrap(mpi_comm=None, **options):
 __all__ = [
     "ABORT_CODE",
     "ALLREDUCE_NAMES",
+    "ANY_SOURCE",
     "AsyncSGD",
     "CheckpointError",
     "CollectiveMismatchError",
@@ -59,6 +60,7 @@ __all__ = [
     "Repartitioner",
     "Request",
     "RingcollError",
+    "Status",
     "Trace",
     "Tuning",
     "TuningFileError",

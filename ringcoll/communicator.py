@@ -21,13 +21,13 @@ from .config import MPI_TIMEOUT, Options
 from .errors import InvalidArgumentError, InvalidTypeError, where
 from .arrays import is_device
 from .group import Group
-from .messages import Messages
+from .messages import Messages, Status
 from .runner import Plan, Request, Runner
-from .transport.base import WINDOW_DTYPES
+from .transport.base import ANY_SOURCE, WINDOW_DTYPES
 from .transport.trace import Trace, TracingTransport
 from .tuning import resolve as resolve_tuning
 
-__all__ = ["Communicator", "Request"]
+__all__ = ["ANY_SOURCE", "Communicator", "Request", "Status"]
 
 
 def _find_nodes(options, transport):
@@ -723,18 +723,40 @@ class Communicator:
         """
         self._messages.send(x, dest, tag)
 
-    def recv(self, out, source, tag=0):
-        """Receive a message from rank source into out (in place); returns out.
+    def recv(self, out, source, tag=0, status=None):
+        """Receive a message from rank source (or from any rank) into out (in place);
+        returns out.
+
+        Matching follows MPI's rules: messages from one sender with one tag arrive in the
+        order they were sent (non-overtaking), a message goes to the earliest-posted receive
+        it matches, and a receive from ringcoll.ANY_SOURCE takes the first message with its
+        tag from whichever rank (tags always match exactly: there is no ANY_TAG).
 
         Args:
             out (np.ndarray): writeable, C- or F-contiguous, exactly the size in bytes of
                 what source sends (checked: a mismatch raises CollectiveMismatchError naming
                 both ranks; over MPI the job is then aborted, as the sender may wait for
                 this rank).
-            source (int): the sending rank (no wildcards).
+            source (int): the sending rank 0..size-1, or ringcoll.ANY_SOURCE (MPI_ANY_SOURCE:
+                any rank). Anything else raises InvalidArgumentError.
             tag (int): 0..1023, as passed to the send.
+            status (ringcoll.Status, optional): filled in with the message's source (the
+                sender's rank: what a receive from ANY_SOURCE needs), tag and nbytes.
+
+        Returns:
+            out, holding the message (as before wildcards existed: the sender is in status).
+
+        Example::
+
+            if comm.rank == 0:                  # one message from every other rank
+                st = ringcoll.Status()
+                for _ in range(comm.size - 1):
+                    got = comm.recv(np.empty(1, int), ringcoll.ANY_SOURCE, status=st)
+                    assert got[0] == st.source  # each sender sent its own rank
+            else:
+                comm.send(np.array([comm.rank]), dest=0)
         """
-        return self._messages.recv(out, source, tag)
+        return self._messages.recv(out, source, tag, status)
 
     def isend(self, x, dest, tag=0):
         """Start sending x to rank dest; returns a Request (wait() returns None).
@@ -745,9 +767,18 @@ class Communicator:
         return self._messages.isend(x, dest, tag)
 
     def irecv(self, out, source, tag=0):
-        """Start receiving a message from rank source into out; returns a Request whose
-        wait() returns out once the message has arrived (its size checked as in recv).
-        Do not read or write out before then."""
+        """Start receiving a message from rank source (or ringcoll.ANY_SOURCE: any rank)
+        into out; returns a Request whose wait() returns out once the message has arrived
+        (its size checked as in recv), after which `request.source` is the sender's rank.
+        Do not read or write out before then. Receives match messages by MPI's rules (see
+        recv): one posted earlier matches first, wildcard or not.
+
+        Example::
+
+            req = comm.irecv(np.empty(4), ringcoll.ANY_SOURCE, tag=3)
+            data = req.wait()
+            print(req.source)   # the rank that sent it
+        """
         return self._messages.irecv(out, source, tag)
 
     def sendrecv(self, x, dest, out, source=None, tag=0):

@@ -59,7 +59,8 @@ from .config import DEFAULT_SEGMENT_BYTES
 from .errors import CollectiveMismatchError, CollectiveTimeoutError, InvalidArgumentError
 from .ops import get_op
 from .transport.simulated import (COMPUTE, RECV, SEND, WAIT, CostedCombine, PayloadCombine,
-                                  PayloadRecordingTransport, RecordingTransport)
+                                  PayloadRecordingTransport, RecordingTransport,
+                                  wildcard_refused)
 
 #: simulate with no pipeline segmentation: every block is one message (what the closed forms
 #: in the algorithms' docstrings describe)
@@ -442,6 +443,8 @@ def _replay(cluster, logs, scale, shared, timeline):
                 i += 1
             elif kind == RECV:
                 _, s, tag, nb = op
+                if s < 0:  # a log written by hand: RecordingTransport refuses it already
+                    raise wildcard_refused(r, f"replay of op {i}")
                 sent, waiting = channels[s, r, tag]
                 if sent:
                     arrival, snb = sent.popleft()

@@ -8,6 +8,7 @@ AssertionError naming itself and the rank on the first difference.
 
 import numpy as np
 
+import ringcoll
 from ringcoll.arrays import BFLOAT16
 
 DTYPES = [np.float64, np.float32, np.float16, np.int32, np.int64, np.uint8, np.complex128]
@@ -164,8 +165,113 @@ def polled_waits(comm):
         assert sreq.wait(poll=1e-4) is None and rreq.wait() is not None
 
 
+# -- wildcard receives (ringcoll.ANY_SOURCE) ---------------------------------------------------
+def _decode(label, comm, got, src, tag, seen):
+    """got must be the next message from src with this tag (k = how many came before it:
+    payload(src, r, tag) + k, non-overtaking per sender); counts it in seen."""
+    assert src is not None and 0 <= src < comm.size, f"{label} rank {comm.rank}: source {src}"
+    k = seen.get(src, 0)
+    same(f"{label} from {src} #{k}", comm, got, payload(src, comm.rank, tag) + k)
+    seen[src] = k + 1
+
+
+def wildcard_from_everyone(comm):
+    """Every rank sends K messages to every rank (itself too); each receives all p*K with
+    wildcards, alternating recv(status=) and irecv(...).source: each exactly once, the right
+    data for the sender reported, and every sender's messages in the order it sent them."""
+    p, r, tag, k_each = comm.size, comm.rank, 40, 3
+    sends = [comm.isend(payload(r, dst, tag) + k, dst, tag)
+             for k in range(k_each) for dst in range(p)]
+    seen, status = {}, ringcoll.Status()
+    for i in range(p * k_each):
+        if i % 2:
+            req = comm.irecv(np.empty(5), ringcoll.ANY_SOURCE, tag)
+            assert req.source is None, f"wildcard rank {r}: a source before wait()"
+            got = req.wait()
+            _decode("wildcard irecv", comm, got, req.source, tag, seen)
+        else:
+            got = comm.recv(np.empty(5), ringcoll.ANY_SOURCE, tag, status=status)
+            assert status.tag == tag and status.nbytes == 40, f"wildcard rank {r}: {status}"
+            _decode("wildcard recv", comm, got, status.source, tag, seen)
+    assert seen == {s: k_each for s in range(p)}, f"wildcard rank {r}: got {seen}"
+    for req in sends:
+        assert req.wait() is None and req.source is None
+
+
+def wildcard_posted_order(comm):
+    """Receives posted before the messages match in posting order, wildcard or not: from
+    the left neighbour's m0, m1, m2, a wildcard, a specific and a wildcard receive get m0, m1
+    and m2. Then unexpected messages: recv(ANY), recv(left), irecv(ANY), recv(left) take
+    the left's n0..n3 in send order (non-overtaking)."""
+    p, r, tag = comm.size, comm.rank, 41
+    right, left = (r + 1) % p, (r - 1) % p
+    posted = [comm.irecv(np.empty(5), ringcoll.ANY_SOURCE, tag),
+              comm.irecv(np.empty(5), left, tag),
+              comm.irecv(np.empty(5), ringcoll.ANY_SOURCE, tag)]
+    comm.barrier()  # every receive is posted before any message is sent
+    sends = [comm.isend(payload(r, right, tag) + k, right, tag) for k in range(3)]
+    for k, req in enumerate(posted):
+        same(f"posted order #{k}", comm, req.wait(), payload(left, r, tag) + k)
+        assert req.source == left, f"posted order rank {r}: source {req.source}, not {left}"
+    tag = 42
+    sends += [comm.isend(payload(r, right, tag) + k, right, tag) for k in range(4)]
+    status = ringcoll.Status()
+    got = [comm.recv(np.empty(5), ringcoll.ANY_SOURCE, tag, status=status)]
+    assert status.source == left, f"unexpected rank {r}: source {status.source}"
+    got.append(comm.recv(np.empty(5), left, tag))
+    req = comm.irecv(np.empty(5), ringcoll.ANY_SOURCE, tag)
+    got.append(req.wait())
+    assert req.source == left, f"unexpected rank {r}: source {req.source}"
+    got.append(comm.recv(np.empty(5), left, tag, status=status))
+    assert status.source == left
+    for k, x in enumerate(got):
+        same(f"unexpected order #{k}", comm, x, payload(left, r, tag) + k)
+    for req in sends:
+        req.wait()
+
+
+def wildcard_and_specific(comm):
+    """Several senders, specific and wildcard receives mixed. Every rank sends 2 messages to
+    every rank: a specific recv from each sender takes its first (non-overtaking), then p
+    wildcards take each sender's second exactly once. Then the other way round: p wildcards
+    posted first take the p first messages (the second ones are sent only after a barrier
+    that waits for them), then a specific recv from each sender its second."""
+    p, r = comm.size, comm.rank
+    tag = 43
+    sends = [comm.isend(payload(r, dst, tag) + k, dst, tag) for k in range(2)
+             for dst in range(p)]
+    seen = {}
+    for src in range(p):
+        _decode("specific first", comm, comm.recv(np.empty(5), src, tag), src, tag, seen)
+    for _ in range(p):
+        req = comm.irecv(np.empty(5), ringcoll.ANY_SOURCE, tag)
+        _decode("wildcard second", comm, req.wait(), req.source, tag, seen)
+    assert seen == {s: 2 for s in range(p)}, f"specific then wildcard rank {r}: {seen}"
+    for req in sends:
+        req.wait()
+    tag = 44
+    wild = [comm.irecv(np.empty(5), ringcoll.ANY_SOURCE, tag) for _ in range(p)]
+    comm.barrier()
+    sends = [comm.isend(payload(r, dst, tag), dst, tag) for dst in range(p)]
+    seen = {}
+    for req in wild:
+        _decode("wildcard first", comm, req.wait(), req.source, tag, seen)
+    assert seen == {s: 1 for s in range(p)}, f"wildcard then specific rank {r}: {seen}"
+    for req in sends:
+        req.wait()
+    comm.barrier()  # every rank's wildcards are done: the second messages can only match below
+    sends = [comm.isend(payload(r, dst, tag) + 1, dst, tag) for dst in range(p)]
+    for src in reversed(range(p)):
+        _decode("specific second", comm, comm.recv(np.empty(5), src, tag), src, tag, seen)
+    assert seen == {s: 2 for s in range(p)}
+    for req in sends:
+        req.wait()
+
+
+WILDCARD_CASES = [wildcard_from_everyone, wildcard_posted_order, wildcard_and_specific]
+
 CASES = [ring_isend_recv, sendrecv_both_ways, self_messages, order_and_tags, all_to_all,
-         beside_collectives, polling_and_large, blocking_pairs, polled_waits]
+         beside_collectives, polling_and_large, blocking_pairs, polled_waits, *WILDCARD_CASES]
 
 
 def run_all(comm):

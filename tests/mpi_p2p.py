@@ -9,6 +9,10 @@ job ends at once with the error text, never hangs):
   never     rank 1 waits in recv for a message rank 0 never sends (the watchdog ends it;
             rank 0 sleeps meanwhile, so rank 1's watchdog is the one that fires)
   polled    the same with irecv(...).wait(poll=1e-3): the polling wait is watched too
+  any       the same with recv(out, ringcoll.ANY_SOURCE): no rank sends
+  any_long  rank 0 sends 3 float64 to a wildcard recv with room for 2 (named in the error)
+The scenario `wildcards` is not a failure: it runs the wildcard cases alone (any -n),
+printing 'OK p2p <case> p=P' as the full run does.
 """
 
 import sys
@@ -27,9 +31,10 @@ import _p2p_cases  # noqa: E402
 
 def main(scenario=None):
     comm = ringcoll.Communicator()
-    if scenario is None:
+    if scenario in (None, "wildcards"):
+        cases = _p2p_cases.CASES if scenario is None else _p2p_cases.WILDCARD_CASES
         try:
-            for case in _p2p_cases.CASES:
+            for case in cases:
                 case(comm)
                 comm.barrier()
                 if comm.rank == 0:
@@ -48,6 +53,16 @@ def main(scenario=None):
             comm.send(np.ones(1), 1)
         elif comm.rank == 1:
             comm.irecv(np.empty(2), 0).wait()
+    elif scenario == "any_long":
+        if comm.rank == 0:
+            comm.send(np.ones(3), 1)
+        elif comm.rank == 1:
+            comm.recv(np.empty(2), ringcoll.ANY_SOURCE)
+    elif scenario == "any":
+        if comm.rank == 0:
+            time.sleep(60)
+        elif comm.rank == 1:
+            comm.recv(np.empty(2), ringcoll.ANY_SOURCE)
     elif scenario in ("never", "polled"):
         if comm.rank == 0:
             time.sleep(60)

@@ -1007,20 +1007,31 @@ def check_p2p():
     CK.result("isend, all_reduce, then irecv: the message", out, gxs[prv])
     CK.result("isend, all_reduce, then irecv: the all_reduce", y,
               reduce_np(gys, "SUM", torch.float32))
-    # recv from any source (dist.recv without src): refused at the call, with the fix, on the
-    # rank that asks (ringcoll's receives name their source); nothing is sent, so no message
-    # is left behind for a later receive to match
-    if RANK == 0 and ARGS.backend == "ringcoll":
-        import ringcoll
+    # recv from any source (dist.recv without src, and irecv's Work._source_rank()): rank 0
+    # takes one message from every other rank, in whatever order they come, each once, the
+    # sender's rank returned and its data matching
+    if P > 1:
+        if RANK == 0:
+            senders = []
 
-        try:
-            dist.recv(torch.zeros(1, dtype=torch.int64))
-            err = None
-        except Exception as exc:  # noqa: BLE001
-            err = exc
-        CK.check(isinstance(err, ringcoll.InvalidArgumentError) and "pass src=" in str(err),
-                 f"recv from any source: expected ringcoll's InvalidArgumentError naming the "
-                 f"fix, got {type(err).__name__}: {short(err) if err else 'no error'}")
+            def from_anyone():
+                for i in range(P - 1):
+                    got = torch.full((3,), -1, dtype=torch.int64)
+                    if i % 2 == 0:
+                        src = dist.recv(got, tag=11)
+                    else:
+                        w = dist.irecv(got, tag=11)
+                        w.wait()
+                        src = w._source_rank()
+                    senders.append(src)
+                    CK.check(got.tolist() == [src, src * 2, 7],
+                             f"recv from any source: {got.tolist()} from rank {src}")
+            CK.attempt("recv from any source", from_anyone)
+            CK.check(sorted(senders) == list(range(1, P)),
+                     f"recv from any source: senders {senders}, want each of 1..{P - 1} once")
+        else:
+            CK.attempt("send to a receive from any source", lambda: dist.send(
+                torch.tensor([RANK, RANK * 2, 7], dtype=torch.int64), dst=0, tag=11))
 
 
 def obj(r):

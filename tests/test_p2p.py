@@ -4,8 +4,12 @@
   against the payload rebuilt from (sender, receiver, tag)), then the argument checks and the
   failures: a size mismatch is an error naming both ranks, a missing message a timeout, never
   a hang.
-- MPI tier: the same cases under `mpiexec -n 1..4` (tests/mpi_p2p.py), and the failures under
-  mpiexec: the job ends with exit code 70 and the error text, within the deadline.
+- MPI tier: the same cases under `mpiexec -n 1..4` (tests/mpi_p2p.py), the wildcard ones
+  (ringcoll.ANY_SOURCE) also at -n 5, and the failures under mpiexec: the job ends with exit
+  code 70 and the error text, within the deadline.
+- Wildcards: besides the shared cases (the right data and sender on every rank, every message
+  exactly once, in order per sender, specific and wildcard receives mixed), a wildcard beside
+  a trace, its bad arguments, and the simulator's refusal.
 """
 
 import numpy as np
@@ -60,6 +64,17 @@ BAD = [
     (lambda c: c.send(np.array(["a"]), 1), ringcoll.InvalidTypeError, "is not supported"),
     (lambda c: c.sendrecv(np.ones(2), 1, np.empty(2), source=5), ringcoll.InvalidArgumentError,
      "source=5"),
+    (lambda c: c.recv(np.empty(2), 2), ringcoll.InvalidArgumentError,
+     r"recv: source=2 is not a rank of this communicator \(0..1\) nor ringcoll.ANY_SOURCE "
+     r"\(-1\); pass the sending rank, or ringcoll.ANY_SOURCE"),
+    (lambda c: c.irecv(np.empty(2), -2), ringcoll.InvalidArgumentError,
+     r"irecv: source=-2 .* nor ringcoll.ANY_SOURCE .*not mpi4py's MPI.ANY_SOURCE"),
+    (lambda c: c.send(np.ones(2), ringcoll.ANY_SOURCE), ringcoll.InvalidArgumentError,
+     "dest=-1 is not a rank"),
+    (lambda c: c.sendrecv(np.ones(2), 1, np.empty(2), source=ringcoll.ANY_SOURCE),
+     ringcoll.InvalidArgumentError, "sendrecv names its source"),
+    (lambda c: c.recv(np.empty(2), ringcoll.ANY_SOURCE, status={}), ringcoll.InvalidTypeError,
+     "status must be a ringcoll.Status"),
 ]
 
 
@@ -157,6 +172,90 @@ def test_a_polled_wait_stops_when_a_peer_fails():
     assert isinstance(failed[1], ringcoll.PeerFailedError) and "rank 0 failed" in str(failed[1])
 
 
+# -- wildcards beyond the shared cases ---------------------------------------------------------
+def test_any_source_is_public_and_minus_one():
+    assert ringcoll.ANY_SOURCE == -1 and "ANY_SOURCE" in ringcoll.__all__
+    assert "Status" in ringcoll.__all__ and ringcoll.Status().source is None
+
+
+def test_a_wildcard_receive_never_matched_times_out_naming_any_rank():
+    def body(comm):
+        if comm.rank == 1:
+            comm.recv(np.empty(2), ringcoll.ANY_SOURCE, tag=3)
+
+    with pytest.raises(ringcoll.CollectiveTimeoutError,
+                       match=r"recv from any rank #1: no message from any rank "
+                             r"\(point-to-point tag 3\)"):
+        run(2, body, timeout=0.5)
+
+
+def test_a_wildcard_size_mismatch_names_the_sender():
+    outcome = {}
+
+    def body(comm):
+        try:
+            if comm.rank == 2:
+                comm.send(np.ones(3), 0, tag=1)
+            comm.barrier()
+            if comm.rank == 0:
+                comm.recv(np.empty(2), ringcoll.ANY_SOURCE, tag=1)
+        except ringcoll.RingcollError as exc:
+            outcome[comm.rank] = exc
+            raise
+
+    with pytest.raises(ringcoll.CollectiveMismatchError):
+        run(3, body)
+    assert "rank 2 sent 24 bytes (point-to-point tag 1) to rank 0" in str(outcome[0])
+
+
+def test_a_trace_records_a_wildcards_sender():
+    """A wildcard's Receive is posted with src -1; once it completes, src is the sender."""
+    def body(comm):
+        senders = []
+        with comm.trace() as t:
+            if comm.rank == 0:
+                for _ in range(comm.size - 1):
+                    req = comm.irecv(np.empty(1), ringcoll.ANY_SOURCE)
+                    req.wait()
+                    senders.append(req.source)
+                st = ringcoll.Status()
+                comm.recv(np.empty(1), ringcoll.ANY_SOURCE, tag=2, status=st)
+                senders.append(st.source)
+            else:
+                comm.send(np.ones(1), 0)
+                if comm.rank == 1:
+                    comm.send(np.ones(1), 0, tag=2)
+        comm.barrier()
+        return senders, sorted((r.src, r.tag, r.order) for r in t.receives)
+
+    senders, receives = run(4, body)[0]
+    assert sorted(senders[:3]) == [1, 2, 3] and senders[3] == 1
+    assert receives == [(1, "point-to-point tag 0", 0), (1, "point-to-point tag 2", 0),
+                        (2, "point-to-point tag 0", 0), (3, "point-to-point tag 0", 0)]
+
+
+def test_the_simulator_refuses_a_wildcard_receive():
+    from ringcoll import netsim
+    from ringcoll.transport.simulated import RECV, WAIT, RecordingTransport
+
+    t = RecordingTransport(0, 2)
+    with pytest.raises(ringcoll.InvalidArgumentError,
+                       match=r"ringcoll rank 0, after collective #0: a receive from any source "
+                             r"\(ANY_SOURCE\) cannot be simulated: the network simulator "
+                             r"records each rank's schedule and replays it deterministically.*"
+                             r"Name the source"):
+        t.irecv(np.empty(1), ringcoll.ANY_SOURCE, 16)
+    assert t.ops == []  # nothing recorded
+    comm = ringcoll.Communicator(transport=RecordingTransport(1, 2))
+    with pytest.raises(ringcoll.InvalidArgumentError, match="recv from any rank #1: a receive "
+                       "from any source"):
+        comm.recv(np.empty(1), ringcoll.ANY_SOURCE)
+    logs = [[(RECV, -1, 16, 8), (WAIT, 0)], []]
+    with pytest.raises(ringcoll.InvalidArgumentError, match="rank 0, replay of op 0: a receive "
+                       "from any source .*cannot be simulated"):
+        netsim.replay(netsim.Cluster(nodes=1, devices_per_node=2), logs)
+
+
 # -- MPI tier -------------------------------------------------------------------------------------
 @mpirun.needs_mpi
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -169,7 +268,23 @@ def test_every_case_under_mpiexec(p, mpi_timings):
 
 
 @mpirun.needs_mpi
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_wildcard_cases_under_mpiexec(p, mpi_timings):
+    rc, out, secs = mpirun.launch(p, ["tests/mpi_p2p.py", "wildcards"],
+                                  env={"RINGCOLL_TIMEOUT": "30"}, timeout=120)
+    mpi_timings[f"mpi_p2p -n {p} wildcards"] = secs
+    assert rc == 0, out[-4000:]
+    assert "FAIL" not in out and out.count("OK p2p wildcard") == len(
+        _p2p_cases.WILDCARD_CASES), out[-4000:]
+
+
+@mpirun.needs_mpi
 @pytest.mark.parametrize("scenario,texts", [
+    ("any", ["CollectiveTimeoutError: ringcoll rank 1, recv from any rank #1: no progress for",
+             "waiting at step 1: any rank (point-to-point tag 0)"]),
+    ("any_long", ["CollectiveMismatchError: ringcoll rank 1, recv from any rank #1: rank 0 "
+                  "sent 24 bytes (point-to-point tag 0) to rank 1, whose receive buffer "
+                  "holds 16 bytes"]),
     ("long", ["CollectiveMismatchError: ringcoll rank 1, recv from 0 #1: rank 0 sent 24 bytes "
               "(point-to-point tag 0) to rank 1, whose receive buffer holds 16 bytes"]),
     ("short", ["CollectiveMismatchError: ringcoll rank 1, wait for irecv from 0 #2: rank 0 "

@@ -1252,3 +1252,62 @@ def test_timeout_zero_means_no_limit():
     with pytest.raises(ringcoll.CollectiveTimeoutError):
         ringcoll.run_threads(2, late_rank_0, timeout=0.1)
     assert all(np.array_equal(y, [2, 2]) for y in ringcoll.run_threads(2, late_rank_0, timeout=0))
+
+
+# -- the thread transport's matching of wildcard receives (ANY_SOURCE), MPI's rules -----------
+def _world(p):
+    from ringcoll.transport.threads import ThreadWorld
+    return ThreadWorld(p, timeout=5).transports()
+
+
+def _msg(src, k):
+    return np.array([src, k], dtype=np.int64)
+
+
+def test_thread_wildcards_match_posted_receives_in_posting_order():
+    """Receives posted first (a wildcard, one naming rank 1, a wildcard) get the messages in
+    the order the receives were posted, each message the earliest-posted receive it matches:
+    rank 1's two, then rank 2's."""
+    from ringcoll.transport.base import ANY_SOURCE
+    t0, t1, t2 = _world(3)
+    outs = [np.empty(2, np.int64) for _ in range(3)]
+    reqs = [t0.irecv(outs[0], ANY_SOURCE, 7), t0.irecv(outs[1], 1, 7),
+            t0.irecv(outs[2], ANY_SOURCE, 7)]
+    t1.isend(_msg(1, 0), 0, 7)  # eager: matched at once, on this thread
+    t1.isend(_msg(1, 1), 0, 7)
+    t2.isend(_msg(2, 0), 0, 7)
+    for req in reqs:
+        t0.wait(req)
+    assert [o.tolist() for o in outs] == [[1, 0], [1, 1], [2, 0]]
+    assert [t0.source(r) for r in reqs] == [1, 1, 2]
+
+
+def test_thread_wildcards_take_unexpected_messages_in_send_order():
+    """Messages sent before any receive: a wildcard takes the earliest sent, a receive
+    naming rank 1 rank 1's first, whatever else came in between (non-overtaking per sender)."""
+    from ringcoll.transport.base import ANY_SOURCE
+    t0, t1, t2 = _world(3)
+    t2.isend(_msg(2, 0), 0, 7)
+    t1.isend(_msg(1, 0), 0, 7)
+    t1.isend(_msg(1, 1), 0, 7)
+    t2.isend(_msg(2, 1), 0, 9)  # another tag: never matched by a receive with tag 7
+    got = []
+    for peer in (1, ANY_SOURCE, ANY_SOURCE):
+        out = np.empty(2, np.int64)
+        req = t0.irecv(out, peer, 7)
+        t0.wait(req)
+        got.append((t0.source(req), out.tolist()))
+    assert got == [(1, [1, 0]), (2, [2, 0]), (1, [1, 1])]
+    out = np.empty(2, np.int64)
+    req = t0.irecv(out, ANY_SOURCE, 9)
+    t0.wait(req)
+    assert t0.source(req) == 2 and out.tolist() == [2, 1]
+
+
+def test_thread_wildcard_with_no_message_times_out_naming_any_rank():
+    from ringcoll.transport.base import ANY_SOURCE
+    from ringcoll.transport.threads import ThreadWorld
+    t0, _ = ThreadWorld(2, timeout=0.2).transports()
+    req = t0.irecv(np.empty(1), ANY_SOURCE, 16)
+    with pytest.raises(ringcoll.CollectiveTimeoutError, match="no message from any rank"):
+        t0.wait(req)

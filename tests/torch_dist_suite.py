@@ -28,8 +28,8 @@ processes: a failure can leave state behind (a message sent that nobody received
 The backend's feature sets: torch's decorators skip a test unless BACKEND is in
 `DistTestCases.backend_feature[...]` (the "plugin" slot is for backends like this one). The
 worker adds "ringcoll" to the sets of what it implements (ddp, subgroup, gpu, cuda, plugin)
-and to `skip_collective["sendrecv anysource"]` (its receives name their source), before the
-suite is imported. Tests that torch gates on the names "gloo"/"nccl" stay skipped there; the
+before the suite is imported (and to no `skip_collective` set: it receives from any source
+too). Tests that torch gates on the names "gloo"/"nccl" stay skipped there; the
 driver runs each test gloo passes and ringcoll does not again, past the gate (--force: a
 unittest skip decorator set aside), then, if it still fails, with its body on gloo's branch
 (--as-gloo: the suite's BACKEND reads "gloo", every group the test makes is ringcoll's).
@@ -61,9 +61,6 @@ _TIMEOUT = ("the test expects a barrier that times out to raise and the job to g
             "ringcoll's watchdog aborts the job instead (MPI_Abort, naming the collective and "
             "the rank it waits for), as an MPI collective cannot be cancelled. Set the timeout "
             "with init_process_group(timeout=...) or RINGCOLL_TIMEOUT")
-_ANY_SOURCE = ("a receive from any source (dist.recv without src): ringcoll's receives name "
-               "their source, in every transport, and it refuses one without, with that "
-               "message. Pass src=")
 KNOWN = {
     "test_monitored_barrier_gloo": _MONITORED,
     "test_monitored_barrier_gloo_subgroup": _MONITORED,
@@ -71,9 +68,6 @@ KNOWN = {
     "test_barrier_timeout_global": _TIMEOUT,
     "test_barrier_timeout_group": _TIMEOUT,
     "test_barrier_timeout_full_group": _TIMEOUT,
-    "test_send_recv_any_source": _ANY_SOURCE,
-    "test_send_recv_any_source_autograd_profiler": _ANY_SOURCE,
-    "test_send_recv_any_source_torch_profiler": _ANY_SOURCE,
 }
 
 
@@ -100,7 +94,6 @@ def worker(args):
         cases = common_distributed.DistTestCases
         for feature in ("ddp", "subgroup", "gpu", "cuda", "plugin"):
             cases.backend_feature[feature].add("ringcoll")
-        cases.skip_collective["sendrecv anysource"].add("ringcoll")
     from torch.testing._internal.distributed import distributed_test as suite
     if args.as_gloo:  # the test's body takes gloo's code path; every group it makes is ours
         suite.BACKEND = "gloo"

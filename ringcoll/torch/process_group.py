@@ -18,8 +18,9 @@ collectives. Each method here turns the call into ringcoll ones:
   its future's wait() returns the exception instead of raising it.)
 
 Point-to-point sends and receives are posted at once (MPI requests) and a second thread waits
-for them in order, completing their futures; a receive names its source (ringcoll has no
-wildcard receive).
+for them in order, completing their futures; ``dist.recv`` / ``dist.irecv`` without ``src``
+(recv_anysource) is a ringcoll receive from ANY_SOURCE, and its Work's ``_source_rank()`` is
+the sender's group rank, as gloo's.
 
 Reductions: SUM, AVG (of integers as NCCL's: the sum divided by the size, truncated), PRODUCT,
 MIN, MAX, and BAND/BOR/BXOR of integers; bool tensors reduce as NCCL's do (SUM and MAX are a
@@ -40,7 +41,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 from ..arrays import BFLOAT16
-from ..communicator import Communicator
+from ..communicator import ANY_SOURCE, Communicator
 from ..errors import CollectiveTimeoutError, InvalidArgumentError, InvalidTypeError, where
 
 RED = dist.ReduceOp.RedOpType
@@ -675,6 +676,7 @@ class ProcessGroup(dist.ProcessGroup):
         def finish():
             try:
                 request.wait()
+                work._source = request.source  # a receive's sender (None for a send)
                 if call is not None:
                     call.finish()
             except BaseException as exc:  # noqa: B036
@@ -700,8 +702,8 @@ class ProcessGroup(dist.ProcessGroup):
             c = c.cpu()
         return self._p2p(self.comm.isend(_byte_tensor(c).numpy(), dstRank, tag), tensors)
 
-    def recv(self, tensors, srcRank, tag=0):
-        ctx = self._ctx("recv")
+    def recv(self, tensors, srcRank, tag=0, call_name="recv"):
+        ctx = self._ctx(call_name)
         (t,) = tensors
         call = self._call(ctx, t)
         c = call.contiguous(t)
@@ -711,9 +713,9 @@ class ProcessGroup(dist.ProcessGroup):
         return self._p2p(self.comm.irecv(_byte_tensor(c).numpy(), srcRank, tag), tensors, call)
 
     def recv_anysource(self, tensors, tag=0):
-        raise InvalidArgumentError(
-            f"{self._ctx('recv')}a receive from any source: ringcoll's receives name their "
-            "source (no MPI_ANY_SOURCE); pass src= to dist.recv / dist.irecv")
+        """dist.recv / dist.irecv without src: a receive from any rank of the group (MPI's
+        matching rules); the Work's _source_rank() is the sender's group rank."""
+        return self.recv(tensors, ANY_SOURCE, tag, "recv_anysource")
 
     # -- lifetime ---------------------------------------------------------------------------
     def shutdown(self):
@@ -754,6 +756,7 @@ class Work(dist._Work):
         self._future = torch.futures.Future()
         self._done = threading.Event()
         self._error = None
+        self._source = None  # a receive's sender, set before the Work completes
 
     def _finish(self, error=None):
         """The background thread's last act: complete the future, then release wait()."""
@@ -788,6 +791,14 @@ class Work(dist._Work):
 
     def result(self):
         return self._result
+
+    def _source_rank(self):
+        """The group rank whose message a completed receive took (what dist.recv without src
+        returns, as a global rank); torch's rule: only a receive's Work has one."""
+        if self._source is None:
+            raise ValueError(f"{self._ctx('_source_rank')}only a completed receive's Work "
+                             "has a source rank; wait() for it first")
+        return self._source
 
     def synchronize(self):
         """Nothing to do: a Work completes with its results in memory (a CUDA call's stream

@@ -15,6 +15,14 @@ a receive on the caller's thread and a non-blocking collective on the background
 overwrite each other's), and receives that check the size of what arrives. User tag u travels
 as wire tag p2p_tag(u) = u * VIEW_STRIDE + Tag.P2P: no collective, in any view, uses a tag
 that is P2P modulo VIEW_STRIDE, so user messages and ringcoll's own can never match.
+
+A channel's receives also take ANY_SOURCE as their peer (MPI_ANY_SOURCE: the user's wildcard
+receive, Communicator.recv(out, ANY_SOURCE)): the receive takes the first message with its tag
+from any rank, by MPI's matching rules (messages from one sender with one tag in the order they
+were sent; a message goes to the earliest-posted receive it matches, wildcard or not), and
+`t.source(req)` (or `t.recv_from`'s return) says whose message it took. Collectives always
+name their peers; the simulator's recording transport refuses a wildcard, as its replay
+matches every message by its named source.
 """
 
 import os
@@ -61,6 +69,11 @@ class Tag(IntEnum):
 MAX_USER_TAG = 1023
 
 
+#: the peer of a receive that takes a message from any rank (MPI_ANY_SOURCE); the MPI
+#: transport passes its own MPI.ANY_SOURCE in its place. Public as ringcoll.ANY_SOURCE.
+ANY_SOURCE = -1
+
+
 def p2p_tag(tag):
     """The wire tag of user tag `tag` (0..MAX_USER_TAG)."""
     return int(tag) * Tag.VIEW_STRIDE + Tag.P2P
@@ -87,10 +100,11 @@ def size_mismatch(rank, call, peer, tag, got, expected):
     """
     sent = f"more than {expected}" if got is None else f"{got}"
     if int(tag) % Tag.VIEW_STRIDE == Tag.P2P:
-        return (f"ringcoll rank {rank}, {call}: rank {peer} sent {sent} bytes "
+        who = "a rank" if peer == ANY_SOURCE else f"rank {peer}"  # (a wildcard's, unknown)
+        return (f"ringcoll rank {rank}, {call}: {who} sent {sent} bytes "
                 f"({describe_tag(tag)}) to rank {rank}, whose receive buffer holds {expected} "
-                f"bytes. Give the receive a buffer of exactly the size and dtype rank {peer} "
-                f"sends (or make rank {peer} send {expected} bytes).")
+                f"bytes. Give the receive a buffer of exactly the size and dtype {who} "
+                f"sends (or make {who} send {expected} bytes).")
     return (f"ringcoll rank {rank}, {call}: received {sent} bytes from rank {peer} "
             f"({describe_tag(tag)}) where {expected} were expected; the ranks disagree on "
             "the element count or dtype. Pass the same count and dtype on every rank "
@@ -135,6 +149,8 @@ class Progress:
         if self.at is None:
             return "before its first message"
         peer, tag = self.at
+        if peer == ANY_SOURCE:
+            return f"step {self.step}: any rank ({describe_tag(tag)})"
         schedule = self.current[2] if self.current is not None else ()
         step = next((i + 1 for i, at in enumerate(schedule) if at is self.at), self.step)
         return f"step {step}: rank {peer} ({describe_tag(tag)})"
@@ -155,6 +171,18 @@ class Transport:
 
     def recv(self, buf, peer, tag):
         self.wait(self.irecv(buf, peer, tag))
+
+    def recv_from(self, buf, peer, tag):
+        """recv, returning the rank whose message it took: peer, or with peer ANY_SOURCE
+        (a channel's receives only) the sender of the first message with this tag."""
+        req = self.irecv(buf, peer, tag)
+        self.wait(req)
+        return self.source(req)
+
+    def source(self, req):
+        """The rank whose message the completed receive request req took (for a receive
+        from ANY_SOURCE: the sender it matched)."""
+        raise NotImplementedError(f"{type(self).__name__} does not report a receive's source")
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         """Send to dest and receive from source at once (no deadlock in a ring)."""
@@ -245,13 +273,17 @@ class View(Transport):
         return self.parent.isend(buf, self.members[peer], tag + self.shift)
 
     def irecv(self, buf, peer, tag):
-        return self.parent.irecv(buf, self.members[peer], tag + self.shift)
+        return self.parent.irecv(buf, self.members[peer] if peer >= 0 else peer,
+                                 tag + self.shift)
 
     def send(self, buf, peer, tag):
         self.parent.send(buf, self.members[peer], tag + self.shift)
 
     def recv(self, buf, peer, tag):
-        self.parent.recv(buf, self.members[peer], tag + self.shift)
+        self.parent.recv(buf, self.members[peer] if peer >= 0 else peer, tag + self.shift)
+
+    def source(self, req):
+        return self.members.index(self.parent.source(req))
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self.parent.sendrecv(

@@ -59,7 +59,7 @@ from functools import partial
 
 import numpy as np
 
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, InvalidArgumentError
 from .base import NoSharedMemory, Shared, Transport, describe_tag
 
 TAG = 8  # bytes after the first chunk's data: _MAGIC ^ the message's total size
@@ -390,6 +390,12 @@ class StagedTransport(_Wrapper):
         dev = self.device
         if not dev.owns(buf):
             return self.inner.irecv(buf, peer, tag)
+        if peer < 0:
+            # every chunk is its own message: from ANY_SOURCE, two senders' chunks could mix
+            raise InvalidArgumentError(
+                f"ringcoll rank {self.rank}, {self.progress.call()}: a staged receive of device "
+                "memory cannot take a message from any source (its chunks are separate "
+                "messages, which two senders' would interleave); name the source")
         req = _Recv(buf, peer, tag, dev.record(dev.compute()))
         bounds = chunk_bounds(buf.nbytes, self.chunk)
         for i, (lo, hi) in enumerate(bounds):
@@ -443,6 +449,10 @@ class StagedTransport(_Wrapper):
         if isinstance(req, (_Send, _Recv)):
             return req.done
         return self.inner.test(req)
+
+    def source(self, req):
+        """A staged receive names its source (irecv refuses ANY_SOURCE); a host one, inner's."""
+        return req.peer if isinstance(req, _Recv) else self.inner.source(req)
 
     def send(self, buf, peer, tag):
         if self._idle() and not self.device.owns(buf):
@@ -594,6 +604,9 @@ class CudaAwareTransport(_Wrapper):
     def irecv(self, buf, peer, tag):
         self._sync(buf)  # a kernel may still read what MPI is about to overwrite
         return self.inner.irecv(buf, peer, tag)
+
+    def source(self, req):
+        return self.inner.source(req)
 
     def send(self, buf, peer, tag):
         self._sync(buf)

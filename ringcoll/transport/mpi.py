@@ -28,7 +28,8 @@ from mpi4py import MPI
 from mpi4py.util.dtlib import from_numpy_dtype
 
 from ..errors import ABORT_CODE, CollectiveMismatchError, InvalidArgumentError
-from .base import NoSharedMemory, Progress, Shared, Transport, Window, size_mismatch
+from .base import (ANY_SOURCE, NoSharedMemory, Progress, Shared, Transport, Window,
+                   size_mismatch)
 
 BYTE = MPI.BYTE
 
@@ -488,14 +489,21 @@ class _MPIShared(Shared):
 
 
 class _Receive:
-    """A point-to-point receive in flight: the MPI request and what its status must say."""
+    """A point-to-point receive in flight: the MPI request and what its status must say.
+    peer may be ANY_SOURCE; source is the sender, read from the status once it is done."""
 
-    __slots__ = ("req", "nbytes", "peer", "tag", "at", "done")
+    __slots__ = ("req", "nbytes", "peer", "tag", "at", "done", "source")
 
     def __init__(self, req, nbytes, peer, tag):
         self.req, self.nbytes, self.peer, self.tag = req, nbytes, peer, tag
         self.at = (peer, tag)  # one object: a poll loop that notes it shows the watchdog no move
         self.done = False  # MPI frees a finished request: its status cannot be read twice
+        self.source = peer
+
+
+def _mpi_peer(peer):
+    """ringcoll's ANY_SOURCE (-1) as MPI's (MPICH's is -2), any other rank as itself."""
+    return MPI.ANY_SOURCE if peer == ANY_SOURCE else peer
 
 
 class _Channel(MPITransport):
@@ -507,6 +515,7 @@ class _Channel(MPITransport):
     Every receive checks the size of what arrives: a blocking one probes the message first
     (MPI_Mprobe, thread-safe) and refuses it before reading, a non-blocking one reads its
     status at wait (MPI reports a longer message as ERR_TRUNCATE, a shorter one in the count).
+    Receives take ANY_SOURCE (passed as MPI.ANY_SOURCE); the status names the sender.
     """
 
     def __init__(self, parent):  # shares parent.comm: nothing to duplicate, nothing to free
@@ -520,16 +529,26 @@ class _Channel(MPITransport):
                           else None)
 
     def recv(self, buf, peer, tag):
+        self.recv_from(buf, peer, tag)
+
+    def recv_from(self, buf, peer, tag):
+        """The probed receive (see the class docstring); returns the sender's rank."""
         progress, status = self.progress, self._status
         progress.step += 1
         progress.at = (peer, tag)
-        message = self.comm.Mprobe(peer, tag, status)
+        message = self.comm.Mprobe(_mpi_peer(peer), tag, status)
+        source = status.Get_source()
         if status.Get_count(BYTE) != buf.nbytes:
-            raise self._short(status.Get_count(BYTE), buf.nbytes, peer, tag)
+            raise self._short(status.Get_count(BYTE), buf.nbytes, source, tag)
         message.Recv([buf, BYTE])
+        return source
 
     def irecv(self, buf, peer, tag):
-        return _Receive(self.comm.Irecv([buf, BYTE], peer, tag), buf.nbytes, peer, tag)
+        return _Receive(self.comm.Irecv([buf, BYTE], _mpi_peer(peer), tag), buf.nbytes, peer,
+                        tag)
+
+    def source(self, req):
+        return req.source
 
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         receive = self.irecv(recvbuf, source, tag)
@@ -565,14 +584,23 @@ class _Channel(MPITransport):
             done = call()
         except MPI.Exception as exc:
             if exc.Get_error_class() == MPI.ERR_TRUNCATE:
-                raise self._short(None, req.nbytes, req.peer, req.tag) from None
+                raise self._short(None, req.nbytes, self._sender(req), req.tag) from None
             raise
         if done is False:
             return False
         req.done = True
+        req.source = self._sender(req)
         if self._status.Get_count(BYTE) != req.nbytes:
-            raise self._short(self._status.Get_count(BYTE), req.nbytes, req.peer, req.tag)
+            raise self._short(self._status.Get_count(BYTE), req.nbytes, req.source, req.tag)
         return True
+
+    def _sender(self, req):
+        """The sender of the message req took: its peer, or for ANY_SOURCE the status's
+        source (still ANY_SOURCE if MPI did not fill it in)."""
+        if req.peer != ANY_SOURCE:
+            return req.peer
+        source = self._status.Get_source()
+        return source if 0 <= source < self.size else ANY_SOURCE
 
     def close(self):
         if self._watchdog is not None:

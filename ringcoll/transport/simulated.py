@@ -25,6 +25,7 @@ Two ways to run it:
 
 from functools import partial
 
+from ..errors import InvalidArgumentError
 from .base import Progress, Transport
 
 SEND, RECV, WAIT, WAITALL, COMPUTE = range(5)
@@ -53,6 +54,8 @@ class RecordingTransport(Transport):
         return len(ops) - 1
 
     def irecv(self, buf, peer, tag):
+        if peer < 0:
+            raise wildcard_refused(self.rank, self.progress.call())
         ops = self.ops
         ops.append((RECV, peer, tag, buf.nbytes))
         return len(ops) - 1
@@ -70,6 +73,16 @@ class RecordingTransport(Transport):
 
     def node_ids(self):
         return list(self._node_ids) if self._node_ids is not None else [0] * self.size
+
+
+def wildcard_refused(rank, call):
+    """The error for a receive from ANY_SOURCE on the simulator (recording or replay)."""
+    return InvalidArgumentError(
+        f"ringcoll rank {rank}, {call}: a receive from any source (ANY_SOURCE) cannot be "
+        "simulated: the network simulator records each rank's schedule and replays it "
+        "deterministically, matching every message to the receive that names its source, "
+        "and which sender a wildcard receive takes depends on timing. Name the source "
+        "(recv(out, source=rank)).")
 
 
 class PayloadRecordingTransport(RecordingTransport):

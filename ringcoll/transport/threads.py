@@ -2,7 +2,12 @@
 
 It follows MPI's matching rules (a message goes to the first posted receive with the same
 source and tag, in order; otherwise it waits in an unexpected queue) and is eager: isend copies
-the payload, so a send never blocks. Receives check the size and fail loudly on a mismatch.
+the payload, so a send never blocks. A receive from ANY_SOURCE (a channel's: the user's
+wildcard) matches the same way with any source: both queues are kept per destination in one
+order (receives as posted, unexpected messages as sent), so a message goes to the
+earliest-posted receive it matches, wildcard or specific, and a wildcard takes the
+earliest-sent unexpected message with its tag; messages from one sender with one tag never
+overtake each other. Receives check the size and fail loudly on a mismatch.
 A rank that fails marks its world failed, and every rank waiting on it raises PeerFailedError
 at once instead of hanging; a wait longer than `timeout` raises CollectiveTimeoutError.
 
@@ -17,18 +22,21 @@ import numpy as np
 
 from ..arrays import array_module, is_device
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
-from .base import Progress, Shared, Tag, Transport, Window, describe_tag, size_mismatch
+from .base import (ANY_SOURCE, Progress, Shared, Tag, Transport, Window, describe_tag,
+                   size_mismatch)
 
 DEFAULT_TIMEOUT = 60.0
 
 
 class _Request:
-    __slots__ = ("done", "error", "buf", "src", "tag", "peer")
+    # src: the source the receive asked for (perhaps ANY_SOURCE); source: the sender whose
+    # message it took, once matched
+    __slots__ = ("done", "error", "buf", "src", "tag", "source")
 
     def __init__(self, buf=None, src=None, tag=None):
         self.done = buf is None
         self.error = None
-        self.buf, self.src, self.tag = buf, src, tag
+        self.buf, self.src, self.tag, self.source = buf, src, tag, src
 
 
 class ThreadWorld:
@@ -88,8 +96,8 @@ class ThreadTransport(Transport):
         world = self.world
         with world.cond:
             posted = world.posted[peer]
-            for i, req in enumerate(posted):
-                if req.src == self.rank and req.tag == tag:
+            for i, req in enumerate(posted):  # the earliest-posted receive that matches
+                if req.tag == tag and (req.src == self.rank or req.src == ANY_SOURCE):
                     del posted[i]
                     _deliver(req, data, self.rank, peer, tag)
                     world.cond.notify_all()
@@ -105,10 +113,10 @@ class ThreadTransport(Transport):
         world = self.world
         with world.cond:
             queue = world.unexpected[self.rank]
-            for i, (src, mtag, data) in enumerate(queue):
-                if src == peer and mtag == tag:
+            for i, (src, mtag, data) in enumerate(queue):  # the earliest sent that matches
+                if mtag == tag and (src == peer or peer == ANY_SOURCE):
                     del queue[i]
-                    _deliver(req, data, peer, self.rank, tag)
+                    _deliver(req, data, src, self.rank, tag)
                     break
             else:
                 world.posted[self.rank].append(req)
@@ -124,6 +132,9 @@ class ThreadTransport(Transport):
         if req.error is not None:
             raise self._mismatch(req)
 
+    def source(self, req):
+        return req.source
+
     def test(self, req):
         if req.done and req.error is not None:
             raise self._mismatch(req)
@@ -135,10 +146,10 @@ class ThreadTransport(Transport):
         got, expected = req.error
         if req.tag % Tag.VIEW_STRIDE == Tag.P2P:  # a user's message: name the pair and the fix
             return CollectiveMismatchError(size_mismatch(self.rank, self.progress.call(),
-                                                         req.src, req.tag, got, expected))
+                                                         req.source, req.tag, got, expected))
         return CollectiveMismatchError(
             f"ringcoll rank {self.rank}, {self.progress.call()}: received {got} bytes from rank "
-            f"{req.src} ({describe_tag(req.tag)}) into a {expected}-byte buffer; the ranks "
+            f"{req.source} ({describe_tag(req.tag)}) into a {expected}-byte buffer; the ranks "
             "disagree on the element count, dtype or collective. Pass the same count and dtype "
             "on every rank (RINGCOLL_DEBUG=1 names the rank that differs).")
 
@@ -156,12 +167,12 @@ class ThreadTransport(Transport):
             rank, exc = failure
             raise PeerFailedError(
                 f"ringcoll rank {self.rank}, {self.progress.call()}: gave up waiting for "
-                f"rank {req.src} "
+                f"{_whom(req.src)} "
                 f"({describe_tag(req.tag)}) because rank {rank} failed: "
                 f"{type(exc).__name__}: {exc}"
             )
         raise CollectiveTimeoutError(
-            f"ringcoll rank {self.rank}, {self.progress.call()}: no message from rank {req.src} "
+            f"ringcoll rank {self.rank}, {self.progress.call()}: no message from {_whom(req.src)} "
             f"({describe_tag(req.tag)}) within {self.world.timeout} s; a rank skipped a "
             "collective or called a different one. Raise RINGCOLL_TIMEOUT if the job is just slow."
         )
@@ -307,7 +318,12 @@ class ThreadShared(Shared):
         self.segments = None
 
 
+def _whom(src):
+    return "any rank" if src == ANY_SOURCE else f"rank {src}"
+
+
 def _deliver(req, data, src, dst, tag):
+    req.source = src
     dest = req.buf.view(np.uint8)
     if dest.nbytes != data.nbytes:
         req.error = (data.nbytes, dest.nbytes)  # raised by the receiver's wait (_mismatch)

@@ -38,7 +38,11 @@ What is recorded, exactly (a Message, at the sender, when the send is posted):
     event        this rank's count of sends posted and receives completed in this collective
                  before this one: the order in which the rank did its sends and receives
 A Receive (at the receiver, when the receive is posted) has src, dst, tag, nbytes,
-collective, algorithm, seq, order, t_post, t_end and event (counted when it completed).
+collective, algorithm, seq, order, t_post, t_end and event (counted when it completed). A
+receive from ANY_SOURCE (a user's wildcard) has src ANY_SOURCE (-1) and order -1 until it
+completes; then src is the sender and order the count of this rank's receives from that
+sender with that tag recorded so far (exact unless wildcard and named receives from one
+sender are in flight together).
 
 Payloads (`comm.trace(payloads=True)`, `ringcoll.simulate(p, fn, payloads=True)`, or a
 `Trace(payloads=True)`): every Message also keeps what it carried, and both kinds of record
@@ -70,7 +74,7 @@ from dataclasses import astuple, dataclass
 
 import numpy as np
 
-from .base import Transport, describe_tag
+from .base import ANY_SOURCE, Transport, describe_tag
 
 
 @dataclass(slots=True)
@@ -280,10 +284,10 @@ class Trace:
 class _PendingRecv:
     """What irecv returns while tracing: the transport's request and the Receive it fills."""
 
-    __slots__ = ("req", "rec")
+    __slots__ = ("req", "rec", "tag")
 
-    def __init__(self, req, rec):
-        self.req, self.rec = req, rec
+    def __init__(self, req, rec, tag):
+        self.req, self.rec, self.tag = req, rec, tag
 
 
 class TracingTransport(Transport):
@@ -346,8 +350,11 @@ class TracingTransport(Transport):
         trace, progress = self.trace, self.progress
         seen = trace.watch(self.rank, buf, False) if trace.watch is not None else None
         current = progress.current
-        order = self._recvs.get((peer, tag), 0)
-        self._recvs[(peer, tag)] = order + 1
+        if peer == ANY_SOURCE:
+            order = -1  # the sender is known once it completes (_done)
+        else:
+            order = self._recvs.get((peer, tag), 0)
+            self._recvs[(peer, tag)] = order + 1
         collective, algorithm = current[:2] if current is not None else (None, None)
         rec = Receive(peer, self.rank, self._name(tag), buf.nbytes, collective, algorithm,
                       progress.seq, order, time.perf_counter(), seen=seen)
@@ -356,9 +363,21 @@ class TracingTransport(Transport):
         trace._add_receive(rec)
         return rec
 
-    def _done(self, rec):
+    def _done(self, rec, source=None, tag=None):
+        """rec completed; a wildcard's (src ANY_SOURCE) sender was `source`, with `tag`."""
+        if rec.src == ANY_SOURCE and source is not None:
+            rec.src = source
+            rec.order = self._recvs.get((source, tag), 0)
+            self._recvs[(source, tag)] = rec.order + 1
         rec.event = self._tick()
         self.trace._complete(rec)
+
+    def _pending_done(self, pending):
+        rec = pending.rec
+        if rec.src == ANY_SOURCE:
+            self._done(rec, self.inner.source(pending.req), pending.tag)
+        else:
+            self._done(rec)
 
     # -- point-to-point ---------------------------------------------------------------------------
     def isend(self, buf, peer, tag):
@@ -367,7 +386,7 @@ class TracingTransport(Transport):
 
     def irecv(self, buf, peer, tag):
         rec = self._posted(buf, peer, tag)
-        return _PendingRecv(self.inner.irecv(buf, peer, tag), rec)
+        return _PendingRecv(self.inner.irecv(buf, peer, tag), rec, tag)
 
     def send(self, buf, peer, tag):
         self._sent(buf, peer, tag)
@@ -378,6 +397,15 @@ class TracingTransport(Transport):
         self.inner.recv(buf, peer, tag)
         self._done(rec)
 
+    def recv_from(self, buf, peer, tag):
+        rec = self._posted(buf, peer, tag)
+        source = self.inner.recv_from(buf, peer, tag)
+        self._done(rec, source, tag)
+        return source
+
+    def source(self, req):
+        return self.inner.source(req.req if type(req) is _PendingRecv else req)
+
     def sendrecv(self, sendbuf, dest, recvbuf, source, tag):
         self._sent(sendbuf, dest, tag)
         rec = self._posted(recvbuf, source, tag)
@@ -387,7 +415,7 @@ class TracingTransport(Transport):
     def wait(self, req):
         if type(req) is _PendingRecv:
             self.inner.wait(req.req)
-            self._done(req.rec)
+            self._pending_done(req)
         else:
             self.inner.wait(req)
 
@@ -395,14 +423,14 @@ class TracingTransport(Transport):
         self.inner.waitall([r.req if type(r) is _PendingRecv else r for r in reqs])
         for r in reqs:
             if type(r) is _PendingRecv:
-                self._done(r.rec)
+                self._pending_done(r)
 
     def test(self, req):
         if type(req) is not _PendingRecv:
             return self.inner.test(req)
         done = self.inner.test(req.req)
         if done:
-            self._done(req.rec)
+            self._pending_done(req)
         return done
 
     # bound forms: the inner transport's bound step, with the recording around it. The step's
