@@ -4,7 +4,8 @@ Measure ringcoll's all-reduce algorithms on this machine at this process count, 
 table `auto` then uses: RINGCOLL_TUNING=tuning.json, or Communicator(tuning="tuning.json").
 
 At every size of -b/-e/-f (float32 sum) it
-  1. times ring, recursive_doubling and rabenseifner (and hierarchical where the ranks span
+  1. (--repeat K times, whole sweeps one after another, median of the K figures) times
+     ring, recursive_doubling and rabenseifner (and hierarchical where the ranks span
      more than one node and fewer than p nodes, node where they share one node: the
      algorithms auto can choose) through
      Communicator.allreduce(x, algorithm=name, out=...), out of place (out=y) and in place
@@ -33,9 +34,15 @@ At every size of -b/-e/-f (float32 sum) it
 
 Regenerate the table shipped with ringcoll (its 2-core development machine, embedded MPICH):
 
-    for p in 4 2 3; do mpiexec -n $p python -m ringcoll.tune -o ringcoll/tuning_default.json; done
+    F=ringcoll/tuning_default.json
+    for p in 4 2 3; do
+      mpiexec -n $p python -m ringcoll.tune --repeat 3 -o $F
+      for i in 2 3; do mpiexec -n $p python -m ringcoll.tune --repeat 3 --accumulate -o $F; done
+    done
 
-(p=4 first: its entry breaks the ties of the others).
+(p=4 first: its entry breaks the ties of the others; three launches each, since on the
+development VM the node tier's speed differs from one launch to the next: see
+docs/node_tier.md).
 
 Exit status: 0 written, 2 bad arguments or an -o file that is not a tuning file (nothing is
 measured then), 1 anything else (every rank is aborted, none is left waiting).
@@ -106,6 +113,15 @@ def build_parser():
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per size (5)")
     p.add_argument("--budget", type=float, default=1.0,
                    help="seconds of timed calls per size, all algorithms and modes (1.0)")
+    p.add_argument("--repeat", type=int, default=1, metavar="K",
+                   help="measure every size K times, one whole sweep after another, and "
+                        "take the median of the K figures (1): a machine whose speed drifts "
+                        "over minutes is then judged over K sweeps, not one")
+    p.add_argument("--accumulate", action="store_true",
+                   help="combine with the figures of earlier runs of the same p, node shape "
+                        "and sizes in -o (kept in the entry's measured.launches): the table "
+                        "is made from the median over every launch, for a machine whose "
+                        "speed differs from one mpiexec launch to the next")
     p.add_argument("--quick", action="store_true",
                    help="a smoke test: 8 B to 1 MiB x16, 3 rounds, 0.1 s per size")
     p.add_argument("-q", "--quiet", action="store_true",
@@ -121,8 +137,8 @@ def parse_args(argv, rank):
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
-    if args.stepfactor < 2 or args.rounds < 1 or args.budget <= 0:
-        raise UsageError("need -f >= 2, --rounds >= 1 and --budget > 0")
+    if args.stepfactor < 2 or args.rounds < 1 or args.budget <= 0 or args.repeat < 1:
+        raise UsageError("need -f >= 2, --rounds >= 1, --budget > 0 and --repeat >= 1")
     if args.minbytes > args.maxbytes:
         raise UsageError(f"-b {args.minbytes} is larger than -e {args.maxbytes}")
     return args
@@ -416,6 +432,43 @@ def slowdown(model, sizes, medians, p, nodes):
     return total
 
 
+def median_of(figures, sizes):
+    """{mode: {algorithm: [seconds]}}: the median at each size over a list of such figures
+    (sweeps of one launch, or launches)."""
+    first = figures[0]
+    return {mode: {name: [float(np.median([f[mode][name][i] for f in figures]))
+                          for i in range(len(sizes))]
+                   for name in first[mode]}
+            for mode in first}
+
+
+def seconds_to_us(figures):
+    return {mode: {name: [round(s * 1e6, 3) if math.isfinite(s) else None for s in t]
+                   for name, t in by.items()}
+            for mode, by in figures.items()}
+
+
+def earlier_launches(existing, p, nodes, sizes, like):
+    """The figures of earlier --accumulate runs kept in the file's entry for this p and node
+    shape ({mode: {algorithm: [seconds]}} each), or of its one run; [] where the entry is
+    missing or measured other sizes or algorithms (then this run starts afresh)."""
+    for e in (existing or {}).get("entries", []):
+        if (e.get("p"), e.get("nodes")) != (p, node_shape(nodes)):
+            continue
+        measured = e.get("measured", {})
+        if measured.get("sizes") != sizes:
+            return []
+        found = measured.get("launches") or [{m: measured.get(m) for m in MODES}]
+        runs = []
+        for run in found:
+            if any(set((run.get(m) or {})) != set(like[m]) for m in MODES):
+                return []
+            runs.append({m: {name: [u / 1e6 if u is not None else math.inf for u in us]
+                             for name, us in run[m].items()} for m in MODES})
+        return runs
+    return []
+
+
 def tie_break_reference(existing, p, nodes, mode):
     """{nbytes: {algorithm: seconds}} of `mode` in the file's entry for 4 ranks on one node
     (the shipped table's largest process count that does not oversubscribe a 4-core
@@ -456,6 +509,7 @@ def make_entry(comm, sizes, medians, model, rms, args, argv, hosts, existing=Non
                   "rms_relative_error": round(rms, 4), "fallback": fallback},
         "measured": {"dtype": "float32", "op": "sum", "unit": "us per call",
                      "rounds": args.rounds, "budget_s_per_size": args.budget,
+                     "repeat": args.repeat,
                      "segment_bytes": comm.options.segment_bytes, "sizes": sizes, **us},
         "ringcoll_version": ringcoll.__version__,
         "mpi_library": " ".join(MPI.Get_library_version().splitlines()[0].split()),
@@ -582,11 +636,18 @@ def _main(argv, world):
     hosts = sorted(set(world.allgather(MPI.Get_processor_name())))
     sizes = make_sizes(args.minbytes, args.maxbytes, args.stepfactor)
     start = time.perf_counter()
-    medians = measure(comm, world, sizes, candidates(comm), args.rounds, args.budget, progress)
+    sweeps = [measure(comm, world, sizes, candidates(comm), args.rounds, args.budget, progress)
+              for _ in range(args.repeat)]
+    launch = median_of(sweeps, sizes)  # (one sweep: its own figures)
     seconds = time.perf_counter() - start
-    model, rms = fit(sizes, medians["outofplace"], p)
     existing = world.bcast(existing, root=0)  # its p=4 entry breaks ties (on every rank alike)
+    launches = (earlier_launches(existing, p, comm.nodes, sizes, launch) if args.accumulate
+                else []) + [launch]
+    medians = median_of(launches, sizes)
+    model, rms = fit(sizes, medians["outofplace"], p)
     entry = make_entry(comm, sizes, medians, model, rms, args, argv, hosts, existing)
+    if len(launches) > 1:
+        entry["measured"]["launches"] = [seconds_to_us(m) for m in launches]
     if rank == 0:
         data = merge(existing, entry)
         Tuning.from_dict(data, args.output)  # what auto will read back must load

@@ -384,6 +384,26 @@ def test_the_tie_break_reference_comes_from_the_files_p4_entry():
     assert tune.tie_break_reference(None, 2, [[0, 1]], "outofplace") is None
 
 
+def test_accumulate_takes_the_median_over_launches():
+    sizes = [8, 16]
+    like = {"outofplace": {"ring": [0, 0], "node": [0, 0]},
+            "inplace": {"ring": [0, 0], "node": [0, 0]}}
+    runs = [{m: {"ring": [1.0, 9.0], "node": [2.0, 3.0]} for m in ("outofplace", "inplace")},
+            {m: {"ring": [3.0, 1.0], "node": [2.0, math.inf]} for m in ("outofplace", "inplace")},
+            {m: {"ring": [2.0, 2.0], "node": [7.0, 4.0]} for m in ("outofplace", "inplace")}]
+    med = tune.median_of(runs, sizes)
+    assert med["outofplace"] == {"ring": [2.0, 2.0], "node": [2.0, 4.0]}
+    stored = {"sizes": sizes, "launches": [tune.seconds_to_us(r) for r in runs[:2]]}
+    data = tuning_file({**entry(2, outofplace=[[8, "ring"]]), "measured": stored})
+    back = tune.earlier_launches(data, 2, [[0, 1]], sizes, like)
+    assert back[1]["inplace"]["node"] == [2.0, math.inf] and len(back) == 2  # seconds again
+    # other sizes, another p or another set of algorithms: start afresh
+    assert tune.earlier_launches(data, 2, [[0, 1]], [8, 32], like) == []
+    assert tune.earlier_launches(data, 3, [[0, 1, 2]], sizes, like) == []
+    fewer = {m: {"ring": [0, 0]} for m in ("outofplace", "inplace")}
+    assert tune.earlier_launches(data, 2, [[0, 1]], sizes, fewer) == []
+
+
 def test_a_files_node_terms_reach_the_fallback_model():
     e = entry(3, outofplace=[[8, "ring"]])
     e["model"] = {"alpha": 1e-6, "beta": 1e-10, "gamma": 0.0, "node_beta": 2e-10}
