@@ -56,9 +56,10 @@ export PRTE_MCA_rmaps_default_mapping_policy=${PRTE_MCA_rmaps_default_mapping_po
 
 # Open MPI 5.0.11's AVX reduction ops (op/avx) saturate 8- and 16-bit integer sums instead of
 # wrapping (MPI_Allreduce/Reduce/Scan/Reduce_scatter: int8 100 + 100 gives 127, not -56, from
-# 64 elements up; uint8/uint16 too in Reduce_scatter): every 'native' integer check, and auto
-# where it picks MPI's own call, then fails (37 tests). Left on, that hides everything else the
-# lane checks, so the lane turns op/avx off; OPENMPI_LANE_AVX=1 keeps it on, to see them.
+# 64 elements up; uint8/uint16 too in Reduce_scatter): every algorithm='native' integer check
+# then fails. auto never gives MPI those types under Open MPI (collectives/_args.native_reduces;
+# tests/test_tuning.py turns op/avx on to check it), but the explicit native checks would hide
+# everything else the lane checks, so the lane turns op/avx off; OPENMPI_LANE_AVX=1 keeps it on.
 [ "${OPENMPI_LANE_AVX:-0}" = 1 ] || export OMPI_MCA_op=${OMPI_MCA_op-^avx}
 # the venv's bin first: a bare mpiexec or python in a driver is Open MPI's and the venv's
 export PATH=$PWD/$VENV/bin:$PATH VIRTUAL_ENV=$PWD/$VENV

@@ -601,3 +601,46 @@ def test_auto_follows_hand_written_collective_ranges_under_mpi(tmp_path):
                  "recursive_doubling", "allgather #5", "-> auto", "barrier #6 () on 2 ranks "
                  "-> native"]:
         assert want in log, (want, log)
+
+
+SATURATION_SCRIPT = """
+import sys
+import numpy as np, ringcoll
+comm = ringcoll.Communicator()
+p = comm.size
+for dtype in (np.int8, np.uint8, np.int16, np.float32):
+    x = np.full(128 * p, 100, dtype=dtype)  # 100 * p: past int8's range, wraps like C
+    want = (x.astype(np.int64) * p).astype(dtype)
+    r = comm.reduce(x, root=0)
+    assert comm.rank != 0 or (r == want).all(), (dtype, r[:4], want[:4])
+    rs = comm.reduce_scatter(x)
+    assert (rs == want[:128]).all(), (dtype, rs[:4])
+    s = comm.scan(x)
+    assert (s == (x.astype(np.int64) * (comm.rank + 1)).astype(dtype)).all(), (dtype, s[:4])
+"""
+
+
+@needs_mpi
+def test_auto_never_hands_open_mpis_avx_a_small_integer_sum(tmp_path):
+    """Open MPI 5's op/avx saturates 8/16-bit integer sums instead of wrapping them: where the
+    table says native, auto runs ringcoll's own algorithm for those types under Open MPI (and
+    still MPI's call for float32, and for everything under MPICH, which wraps). The launch
+    turns op/avx on (OMPI_MCA_op=avx), whatever the lane's default."""
+    table = tmp_path / "native.json"
+    table.write_text(json.dumps(tuning_file(entry(2, collectives={
+        "reduce": [[1 << 30, "native"]], "reduce_scatter": [[1 << 30, "native"]],
+        "scan": [[1 << 30, "native"]]}))))
+    script = tmp_path / "check.py"
+    script.write_text(SATURATION_SCRIPT)
+    rc, log = launch(2, [str(script)], {"RINGCOLL_TUNING": str(table), "RINGCOLL_DEBUG": "1",
+                                        "OMPI_MCA_op": "avx"})
+    assert rc == 0, log
+    open_mpi = mpirun.library()[0] == "Open MPI"
+    for name in ("reduce", "reduce_scatter", "scan"):
+        for dtype in ("int8", "uint8", "int16"):
+            chosen = [line.rsplit("-> ", 1)[1] for line in log.splitlines()
+                      if f"{name} #" in line and f"dtype={dtype}," in line]
+            assert chosen and all((c == "native") != open_mpi for c in chosen), (
+                name, dtype, chosen, log)
+        f32 = [line for line in log.splitlines() if f"{name} #" in line and "float32" in line]
+        assert f32 and all(line.endswith("-> native") for line in f32), (name, log)

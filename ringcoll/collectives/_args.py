@@ -265,6 +265,25 @@ def native_rows(g, collective, algorithm, nbytes, host_all, fallback):
     return fallback if found is None else found == "native"
 
 
+#: integer types whose sums Open MPI's op/avx component gets wrong: from 64 elements on they
+#: saturate instead of wrapping (int8 100 + 100 gives 127, not -56; uint8 and uint16 in
+#: MPI_Reduce_scatter_block too), measured with Open MPI 5.0.11; OMPI_MCA_op=^avx avoids it
+AVX_SATURATED = tuple(np.dtype(t) for t in (np.int8, np.uint8, np.int16, np.uint16))
+
+
+def native_reduces(t, dtype):
+    """May auto hand a reduction of dtype (None: not a reduction) to the MPI library's call
+    over transport t? Not for float16 / bfloat16, which MPI has no type for, nor for the
+    8/16-bit integers under Open MPI (AVX_SATURATED): a result silently wrong is worse than
+    ringcoll's own algorithm. algorithm='native' still asks MPI, as asked."""
+    if dtype is None:
+        return True
+    if dtype in HALF_TYPES:
+        return False
+    library = getattr(t, "library", None)
+    return not (dtype in AVX_SATURATED and library is not None and "Open MPI" in library())
+
+
 def pick_simple(algorithm, names, ctx, g=None, side=None, measured=None):
     """The algorithm of a collective other than the all-reduce: names is its ALGORITHMS.
 
@@ -272,8 +291,8 @@ def pick_simple(algorithm, names, ctx, g=None, side=None, measured=None):
     has it and every rank shares one node (g.nodes): device to device, not through the host's
     MPI. Otherwise, with measured = (collective, nbytes, dtype), the winner g's tuning table
     measured at nbytes (what every rank agrees on; see ringcoll.tuning), if this transport can
-    run it ('native' needs the MPI library's call, and for a reduction a dtype MPI reduces);
-    else names[0], ringcoll's own algorithm."""
+    run it ('native' needs the MPI library's call, and for a reduction a dtype MPI reduces
+    correctly: native_reduces); else names[0], ringcoll's own algorithm."""
     if algorithm in (None, "auto"):
         side = side if side is not None else (g.host if g is not None else None)
         if side is not None and side.device is not None and "node" in names \
@@ -284,8 +303,7 @@ def pick_simple(algorithm, names, ctx, g=None, side=None, measured=None):
             collective, nbytes, dtype = measured
             found = g.tuning.choose_collective(collective, nbytes, g.size, g.nodes)
             if found == "native":
-                if hasattr(side.t, NATIVE_CALLS[collective]) and (dtype is None
-                                                                   or dtype not in HALF_TYPES):
+                if hasattr(side.t, NATIVE_CALLS[collective]) and native_reduces(side.t, dtype):
                     return found
             elif found in names and found != "node":  # node: chosen above, or not at all
                 return found
