@@ -289,6 +289,11 @@ class Agreement:
         self.header = None  # the header buffer for the current slot size
         self.fill = None  # root: the copies that fill the slots, for the current header
         self.mine_view = None  # (header, part, the bytes of this rank's slot) for unpack
+        # MPI's gather of the records bound once, its broadcast once per header buffer: a
+        # repeated call parses no arguments
+        self.gather = native_calls.bind(g.t, "native_gather", mine, None if self.meta is None
+                                        else self.meta.reshape(-1), root) if mpi else None
+        self.bcast = None
 
     def __call__(self):
         g, p, words = self.g, self.g.size, _header_size(self.g.size)
@@ -296,10 +301,12 @@ class Agreement:
         fresh = self.header is None or self.header.size != words + p * slot // 8
         if fresh:
             self.header = np.zeros(words + p * slot // 8, np.int64)
+            if self.mpi:
+                self.bcast = native_calls.bind(g.t, "native_bcast", self.header, self.root)
         header = self.header
         meta = self.meta
         if self.mpi:
-            g.t.native_gather(self.mine, None if meta is None else meta.reshape(-1), self.root)
+            self.gather()
         else:
             tree.gather(g.t, self.mine, None if meta is None else meta.reshape(-1), self.part,
                         self.root, g.host.ws)
@@ -314,7 +321,7 @@ class Agreement:
             for into, source in self.fill or ():
                 into[...] = source
         if self.mpi:
-            g.t.native_bcast(header, self.root)
+            self.bcast()
         else:
             tree.broadcast(g.t, header, self.root, g.host.ws)  # host numbers, host transport
         return header, header[words - 1] != 0
