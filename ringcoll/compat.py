@@ -248,7 +248,7 @@ class _Remembered:
     them still writeable and of the same dtype. run is the Communicator's again(): the
     core's own plan run with no second matching."""
 
-    __slots__ = ("args", "keys", "kwargs", "layouts", "arrays", "run")
+    __slots__ = ("args", "keys", "kwargs", "layouts", "arrays", "run", "given", "lists")
 
     @classmethod
     def of(cls, args, kwargs, read):
@@ -290,6 +290,10 @@ class _Remembered:
         else:  # spec lists, buffer objects, arrays by keyword: _matches_any
             r.args = tuple(tuple(a) if isinstance(a, (list, tuple)) else a
                            for a in args + tuple(kwargs.values()))
+            # the very objects given, and each spec list with its items then: a loop that
+            # passes the same list again (the OSU demos' msg) is matched by identities alone
+            r.given = args + tuple(kwargs.values())
+            r.lists = tuple((a, kept) for a, kept in zip(r.given, r.args) if type(a) is list)
             r.keys = tuple(kwargs)
             r.layouts = tuple((a, a.dtype) for a in arrays)
             r.kwargs = r.arrays = None
@@ -328,7 +332,11 @@ class _Remembered:
             return False
         if len(args) != len(mine):
             return False
-        if not all(map(operator.is_, mine, args)):
+        if all(map(operator.is_, self.given, args)):  # the same objects: lists unchanged?
+            for given, kept in self.lists:
+                if len(given) != len(kept) or not all(map(operator.is_, kept, given)):
+                    return False
+        elif not all(map(operator.is_, mine, args)):
             for kept, given in zip(mine, args):  # a spec list made anew: its items
                 if kept is not given and (
                         type(kept) is not tuple or not isinstance(given, (list, tuple))

@@ -904,6 +904,20 @@ def check_compat_repeat(comms, light):
     CK.check("Allgather" in c._remembered and "Reduce" in c._remembered,
              f"plain calls are remembered: {sorted(c._remembered)}")
     CK.check("Allgatherv" not in c._remembered, "a staged v-call is read again every time")
+    # the very same spec list again (the OSU demos' msg), then changed in place: its new
+    # count and buffer are read, not the remembered ones
+    spec_buf, other = np.zeros(n * P), np.zeros(n * P)
+    msg = [spec_buf, 2, MPI.DOUBLE]
+    for k, change in enumerate([None, None, (1, n), (0, other), None]):
+        if change is not None:
+            msg[change[0]] = change[1]
+        target = msg[0]
+        target[...] = np.arange(n * P) + 100 * k if RANK == root else -1
+        CK.attempt(f"Bcast spec list #{k}", lambda: c.Bcast(msg, root=root))
+        want = np.where(np.arange(n * P) < msg[1], np.arange(n * P) + 100 * k, -1) \
+            if RANK != root else np.arange(n * P) + 100 * k
+        CK.check((target == want).all(), f"wrap Bcast of a reused spec list, call {k}: "
+                 f"{target} vs {want}")
     # IN_PLACE forms repeated with new values: a remembered call copies the own block anew
     inplace, twin = np.zeros(n * P), np.zeros(n * P)
     for k in range(3):
