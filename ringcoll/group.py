@@ -27,6 +27,9 @@ class Group:
         self.progress = transport.progress  # the running collective, for errors and watchdog
         self.choices = BoundedCache()  # auto's picks: (nbytes, inplace) or ("inner", nbytes)
         self.slots = {}  # collective -> bytes of rows that ride with its counts (allgather.Rows)
+        # collective -> the count exchange whose call on this rank was its last and ended
+        # fine (alltoallv.Counts): a call that repeats it may skip the verdict round
+        self.last_fine = {}
         # calls whose counts every rank declared and all agreed on once (allgather.declared):
         # filled and evicted alike on every rank, since each insertion follows an exchange
         self.declared = BoundedCache(DECLARED_LIMIT)

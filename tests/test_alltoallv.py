@@ -184,6 +184,39 @@ def test_alltoallv_mismatches_raise_on_every_rank():
         assert "rank(s) [2] passed out=" in str(errors[r])
 
 
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_a_repeated_checked_alltoallv_skips_the_verdict_round_until_a_rank_changes(p):
+    """The same checked call again on every rank (out= given: a repeat) sends no verdicts
+    once every rank's count numbers say "again"; a rank that then passes an out= of the wrong
+    row count is a new call: the verdict round runs again and every rank raises alike."""
+    def fn(comm):
+        r = comm.rank
+        x = np.arange(float(p)) + 10 * r
+        out = np.empty(p)
+        got = []
+        for _ in range(4):
+            got.append(comm.alltoallv(x, [1] * p, out=out).tolist())
+        bad = np.empty(p + 1) if r == p - 1 else out
+        try:
+            comm.alltoallv(x, [1] * p, out=bad)
+        except ringcoll.RingcollError as exc:
+            got.append(type(exc).__name__)
+        got.append(comm.alltoallv(x, [1] * p, out=out).tolist())
+        return got
+
+    _, trace = ringcoll.simulate(p, fn)
+    seqs = [s for s, c, _ in trace.collectives() if c == "alltoallv"]
+    verdicts = [len(trace.select(seq=s).select(tag="verdict").messages) for s in seqs]
+    # the first call runs the round (no rank repeats yet), calls 2-4 do not (every rank
+    # repeats a call that ended fine); the changed call 5 and the call after it do
+    assert [v > 0 for v in verdicts] == [True, False, False, False, True, True], verdicts
+    results = run(p, fn)
+    for r, got in enumerate(results):
+        want = [float(r + 10 * i) for i in range(p)]
+        assert got[:4] == [want] * 4 and got[5] == want, got
+        assert got[4] == ("InvalidArgumentError" if r == p - 1 else "PeerFailedError"), got
+
+
 def test_alltoallv_after_a_mismatch_the_communicator_still_works():
     """The errors above are raised on every rank alike before any data moves: nothing is
     left in flight, so the next call is fine."""

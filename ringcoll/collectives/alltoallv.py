@@ -17,7 +17,9 @@ others):
    one int64 per rank saying whether its recv_counts match what the senders send and out= has
    their row total. Cost ceil(log2 p) a + 8 (p-1) b. A rank whose own is wrong raises
    CollectiveMismatchError (recv_counts) or InvalidArgumentError (out=); the others raise
-   PeerFailedError naming it; no data has moved.
+   PeerFailedError naming it; no data has moved. Skipped when every rank repeats its last
+   alltoallv, which ended fine (a bit of step 1's numbers says so: each rank sees every
+   rank's): the call is then that one again on every rank, whose verdicts were all fine.
 3. data: the pairwise exchange of the blocks (algorithms/alltoall.py alltoallv): at most
    (p-1) a + sum over steps s of max(bytes to r+s, bytes from r-s) b, which lies between
    max(n_s, n_r) b and (n_s + n_r) b; empty blocks are skipped on both sides.
@@ -64,6 +66,8 @@ NATIVE_MAX = 65536
 
 # a rank's verdict on its own call after the count exchange (step 2)
 FINE, WRONG_RECV_COUNTS, WRONG_OUT = 0, 1, 2
+#: the bit of a rank's count numbers saying its call repeats its last one, which ended fine
+AGAIN = 8
 
 
 def plan(g, ctx, x, counts, out, recv_counts, algorithm, declared=False):
@@ -176,39 +180,50 @@ class Counts:
         checking = int(recv_counts is not None or out is not None)
         self.mine = np.empty((p, 6), np.int64)  # row j: what rank j gets from this rank
         self.mine[:, 0] = counts
-        # bits: something to check (1), declared (2), host memory (4); this rank's rows
+        # bits: something to check (1), declared (2), host memory (4), the same call again
+        # (AGAIN: set in `again`, the numbers sent when this rank repeats); this rank's rows
         self.mine[:, 1:] = [_args.row_elems(x), x.ndim, layout,
                             checking + 2 * bool(declared) + 4 * bool(host), sum(counts)]
+        self.again = self.mine.copy()
+        self.again[:, 4] |= AGAIN
         self.theirs = np.empty_like(self.mine)  # row i: what rank i sent this rank
         self.part = g.host.ws.partition(self.mine.size, p)
         self.own, self.every = np.zeros(1, np.int64), np.empty(p, np.int64)
         self.seen, self.got, self.verdict = None, None, FINE
         self.everyone = None
-        self.checking = self.all_declared = False  # what the bits said, as last judged
+        # what the bits said, as last judged: some rank checks, all declared, all again
+        self.checking = self.all_declared = self.all_again = False
         # MPI's calls bound once: a repeated call parses no arguments
-        self.counts_call = self.verdict_call = None
+        self.counts_calls = self.verdict_call = None
         if name == "native":
-            self.counts_call = native.bind(g.t, "native_alltoall", self.mine.reshape(-1),
-                                           self.theirs.reshape(-1))
+            self.counts_calls = [native.bind(g.t, "native_alltoall", sent.reshape(-1),
+                                             self.theirs.reshape(-1))
+                                 for sent in (self.mine, self.again)]
             self.verdict_call = native.bind(g.t, "native_allgather", self.own, self.every,
                                             [1] * p)
 
     def __call__(self):
-        g, mine, theirs = self.g, self.mine, self.theirs
-        if self.counts_call is not None:
-            self.counts_call()
+        g, theirs = self.g, self.theirs
+        # the same call again: this rank's last alltoallv ran this very exchange and ended
+        # fine. When every rank says so (each sees every rank's bit), the call is the last
+        # one again on every rank, whose verdicts were all fine: no verdict round
+        again = g.last_fine.pop(NAME, None) is self  # (put back only if this call ends fine)
+        if self.counts_calls is not None:
+            self.counts_calls[again]()
         else:
-            pairwise.alltoall(g.t, mine.reshape(-1), theirs.reshape(-1), self.part, Tag.COUNTS)
+            sent = self.again if again else self.mine
+            pairwise.alltoall(g.t, sent.reshape(-1), theirs.reshape(-1), self.part, Tag.COUNTS)
         numbers = theirs.tobytes()
         if numbers != self.seen:  # (NumPy's reductions only then: each costs a microsecond)
-            self.got, self.verdict = _judge(g, mine, theirs, self.x, self.out,
+            self.got, self.verdict = _judge(g, self.mine, theirs, self.x, self.out,
                                             self.recv_counts)
             self.own[0] = self.verdict
             self.seen = numbers
             bits = theirs[:, 4]
             self.everyone = (bool((bits & 4).all()), int(theirs[:, 5].sum()))
             self.checking, self.all_declared = bool((bits & 1).any()), bool((bits & 2).all())
-        if self.checking:  # some rank has something to check: share the verdicts
+            self.all_again = bool((bits & AGAIN).all())
+        if self.checking and not self.all_again:  # some rank checks: share the verdicts
             if self.verdict_call is not None:
                 self.verdict_call()
                 every = self.every
@@ -219,6 +234,7 @@ class Counts:
                 _refuse(g, self.verdict, every, self.got, self.x, self.out, self.recv_counts)
         if self.sig is not None and self.all_declared:  # agreed: skip it from now on
             g.declared[self.sig] = self.everyone
+        g.last_fine[NAME] = self
         return self.got
 
 
