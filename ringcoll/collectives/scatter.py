@@ -159,7 +159,8 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     # them: two C calls instead of two Python trees (explicit 'tree': ringcoll's trees)
     mpi = algorithm in (None, "auto", "native") and hasattr(g.t, "native_gather")
     agree = Agreement(g, mine, root, judge, src, mpi)
-    last = [None, None, None]  # the header's numbers last read, what they gave, out's targets
+    # the header's numbers last read, what they gave, out's targets, (everyone, carried)
+    last = [None, None, None, None]
 
     def run():
         if hot[0] is not None and agreed(sig):  # (True: agreed, every rank on the host)
@@ -170,7 +171,7 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
             if problem is not None:
                 raise InvalidArgumentError(f"{ctx}{problem}")  # (the others move data: abort)
             return direct(host_all)
-        header, carried = agree()
+        header = agree()
         numbers = header[:words].tobytes()
         if numbers != last[0]:
             verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
@@ -178,8 +179,10 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
                 g.slots[NAME] = 0  # every rank refuses alike, and starts again from 0
                 ctx_now = f"ringcoll rank {g.rank}, {g.progress.call()}: "  # "scatter #7"
                 raise _refusal(header, p, g.rank, root, out, own, ctx_now)
-            last[:] = numbers, _reading(header, p, g.rank, root, x, out, side), None
-        everyone = int(header[words - 2])  # bit 0: all declared; bit 1: all host memory
+            # (the numbers' last two words, read here once: the same while the numbers are)
+            flags = int(header[words - 2]), bool(header[words - 1])
+            last[:] = numbers, _reading(header, p, g.rank, root, x, out, side), None, flags
+        everyone, carried = last[3]  # everyone: bit 0 all declared, bit 1 all host memory
         if sig is not None and everyone & 1:
             g.declared[sig] = bool(everyone & 2)
         block, dtype, part, next_slot = last[1]
@@ -277,7 +280,8 @@ def _reading(header, p, rank, root, x, out, side):
 class Agreement:
     """Steps 1 and 2 of the module doc, built once per plan: calling it gathers the records,
     has root judge them (again only when they differ from the last) and broadcasts the
-    header, with the blocks in its slots when they fit; returns (header, carried)."""
+    header, with the blocks in its slots when they fit; returns the header (whether the
+    blocks came in it is its numbers' last word)."""
 
     def __init__(self, g, mine, root, judge, src, mpi=False):
         self.g, self.mine, self.root, self.judge, self.mpi = g, mine, root, judge, mpi
@@ -288,7 +292,7 @@ class Agreement:
         self.seen, self.numbers = None, None  # root: the last records, and their header
         self.header = None  # the header buffer for the current slot size
         self.fill = None  # root: the copies that fill the slots, for the current header
-        self.mine_view = None  # (header, part, the bytes of this rank's slot) for unpack
+        self.mine_view = None  # (header, part, this rank's slot bytes, dst, its bytes): unpack
         # MPI's gather of the records bound once, its broadcast once per header buffer: a
         # repeated call parses no arguments
         self.gather = native_calls.bind(g.t, "native_gather", mine, None if self.meta is None
@@ -324,7 +328,7 @@ class Agreement:
             self.bcast()
         else:
             tree.broadcast(g.t, header, self.root, g.host.ws)  # host numbers, host transport
-        return header, header[words - 1] != 0
+        return header  # (its numbers' last word: whether the blocks ride in the slots)
 
     def _fill(self, header, slot):
         """Root: the copies of every block into its slot, if all fit (and x is host memory);
@@ -349,13 +353,16 @@ class Agreement:
             slot = (self.header.size - words) * 8 // p
             nbytes = part.counts[rank] * dst.itemsize
             self.mine_view = (self.header, part,
-                              self.header[words:].view(np.uint8)[rank * slot:rank * slot + nbytes])
-        mine = self.mine_view[2]
-        if isinstance(dst, np.ndarray):
-            dst.view(np.uint8)[...] = mine
-        else:  # a device block: one copy up
+                              self.header[words:].view(np.uint8)[rank * slot:rank * slot + nbytes],
+                              None, None)
+        if self.mine_view[3] is not dst:  # (dst's bytes viewed once while dst repeats)
             xp = array_module(dst)
-            dst.view(xp.uint8)[...] = xp.asarray(mine)
+            self.mine_view = self.mine_view[:3] + (dst, dst.view(xp.uint8))
+        mine, into = self.mine_view[2], self.mine_view[4]
+        if isinstance(dst, np.ndarray):
+            into[...] = mine
+        else:  # a device block: one copy up
+            into[...] = array_module(dst).asarray(mine)
 
 
 def _parts(header, p):
