@@ -193,8 +193,8 @@ def test_scatter_is_a_binomial_tree(p, root):
     """p - 1 data messages in all, ceil(log2 p) out of the root (largest subtree first), which
     sends every other rank's rows exactly once (its bytes out = all but its own); every other
     rank receives its binomial subtree's rows from its parent in one message. The agreement
-    adds one record (3 int64) per subtree member up the tree and one header (2p + 14 int64)
-    down it."""
+    adds one record (5 int64) per subtree member up the tree and one header row (2p + 15
+    int64) per subtree member down it."""
     root = (p - 1 if root == "last" else root) % p
     rows = [r % 3 + 1 for r in range(p)]
     lg = (p - 1).bit_length()
@@ -223,10 +223,15 @@ def test_scatter_is_a_binomial_tree(p, root):
         subtree = [(u + root) % p for u in range(v, min(v + low, p))]
         assert got.src == (v - low + root) % p, (r, got)
         assert got.nbytes == 8 * sum(rows[q] for q in subtree), (r, got)
-    header = 8 * S._header_size(p)  # (a first call: no slots for blocks yet)
-    assert [m.nbytes for m in trace.select(tag="bcast").messages if m.src == root] == [header] * lg
+    # the header: one row per rank (a first call: no slots for blocks yet), scattered down
+    # the same tree, so root sends every other rank's row once
+    row = 8 * S._header_size(p)
+    header = trace.select(tag="verdict").messages
+    assert [m.dst for m in header if m.src == root] == [m.dst for m in from_root]
+    assert sum(m.nbytes for m in header if m.src == root) == row * (p - 1)
+    assert len(header) == p - 1 and not trace.select(tag="bcast").messages
     assert len(trace.select(tag="gather").messages) == p - 1
-    assert trace.bytes_sent(root) == 8 * (sum(rows) - rows[root]) + lg * header
+    assert trace.bytes_sent(root) == 8 * (sum(rows) - rows[root]) + row * (p - 1)
 
 
 def test_scatter_out_mismatches_raise_on_every_rank():

@@ -126,10 +126,11 @@ def gather(t, src, dst, part, root, ws):
         t.send(buf if buf is not None else src, (v - low + root) % p, Tag.GATHER)
 
 
-def scatter(t, src, dst, part, root, ws):
+def scatter(t, src, dst, part, root, ws, tag=Tag.SCATTER):
     """dst = root's src[part.slices[rank]] on every rank (src matters on root only).
 
-    dst may be root's own block of src itself (in place): that copy is then a no-op.
+    dst may be root's own block of src itself (in place): that copy is then a no-op. tag:
+    the messages' (scatter's agreement sends its header rows as Tag.VERDICT).
     """
     p = t.size
     v, start, low = _subtrees(t, part, root)  # v's subtree is v .. top - 1
@@ -137,11 +138,11 @@ def scatter(t, src, dst, part, root, ws):
     if v == 0:
         dst[...] = src[part.slices[root]]
     elif top - v == 1:  # a leaf: the subtree is its own block, received where it belongs
-        t.recv(dst, (v - low + root) % p, Tag.SCATTER)
+        t.recv(dst, (v - low + root) % p, tag)
         return
     else:  # an inner rank: its subtree, in relative order, own block first
         held = ws.scratch("scatter.subtree", start[top] - start[v], dst.dtype)
-        t.recv(held, (v - low + root) % p, Tag.SCATTER)
+        t.recv(held, (v - low + root) % p, tag)
     children = []  # (child, end): the child's subtree is child .. end - 1
     mask = 1
     while mask < low and v + mask < p:
@@ -160,7 +161,7 @@ def scatter(t, src, dst, part, root, ws):
             split = start[p - root] - start[child]
             piece[:split] = src[part.starts[child + root]:]
             piece[split:] = src[:start[end] - start[p - root]]
-        sends.append(t.isend(piece, peer, Tag.SCATTER))
+        sends.append(t.isend(piece, peer, tag))
     if v:
         dst[...] = held[:dst.size]  # one local copy: the parent's message held the subtree
     t.waitall(sends)

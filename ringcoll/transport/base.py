@@ -57,7 +57,7 @@ class Tag(IntEnum):
     P2P = 16  # the user's point-to-point messages: user tag u is wire tag p2p_tag(u)
     GATHER = 17
     COUNTS = 18  # alltoallv's pairwise exchange of the row counts (and dtype, trailing shape)
-    VERDICT = 19  # every rank's verdict on its received counts and out=, before data moves
+    VERDICT = 19  # verdicts before data moves: alltoallv's on the counts, scatter's header rows
     SCAN = 20  # scan and exscan's recursive-doubling exchanges
     SCATTER = 21
     NODE = 22  # not a message: the node tier's flag waits, as Progress and errors name them
