@@ -9,6 +9,7 @@ that wrong arguments are refused on every rank on the first call and end the job
 import numpy as np
 import pytest
 
+import _mpirun as mpirun
 import ringcoll
 from ringcoll.collectives.allgather import META
 
@@ -269,3 +270,50 @@ def test_the_agreed_calls_a_communicator_keeps_are_bounded():
 
     for ok, kept in run(2, body):
         assert ok and kept == DECLARED_LIMIT
+
+
+IN_PLACE_SCRIPT = r"""
+import numpy as np, ringcoll
+from mpi4py import MPI
+comm = ringcoll.Communicator(MPI.COMM_WORLD)
+p, r, k = comm.size, comm.rank, 4096  # 32 KiB blocks: past Rows' slots, MPI's call moves them
+t = comm._g.t
+t.in_place_allgather = False  # as under Open MPI: only the ranks' agreed bits may say so
+bind, calls = t.bind_native_allgather, []
+def spy(sendbuf, recvbuf, counts):  # what each data call was bound with: IN_PLACE or not
+    if recvbuf.nbytes == 8 * k * p:
+        calls.append(sendbuf is None)
+    return bind(sendbuf, recvbuf, counts)
+t.bind_native_allgather = spy
+out = np.empty(k * p)
+# (declared, rank 0 sends from a copy): the first two exchange (undeclared: every call), the
+# last skips it, agreed by the first, so every rank goes in place and rank 0 copies in first
+steps = [(True, False), (False, True), (False, False), (True, True)]
+for call, (declared, mixed) in enumerate(steps):
+    out[:] = -1
+    mine = out[r * k:(r + 1) * k]  # (a new view each call: a new plan, bound anew)
+    mine[:] = r + 10 * call
+    x = mine.copy() if mixed and r == 0 else mine
+    got = comm.allgather(x, out=out, counts=[k] * p, declared=declared, algorithm="native")
+    assert got is out and (out == np.repeat(np.arange(p) + 10.0 * call, k)).all(), (r, call)
+every = MPI.COMM_WORLD.allgather(calls)
+assert all(c == every[0] for c in every), every  # IN_PLACE on every rank or on none
+assert every[0] == [True, False, True, True], every
+print("in-place bits ok", r, calls)
+"""
+
+
+@mpirun.needs_mpi
+@pytest.mark.parametrize("p", [2, 3])
+def test_an_allgather_whose_rows_sit_in_out_on_every_rank_goes_in_place_on_every_rank(
+        tmp_path, p):
+    """Where the MPI library gets no MPI_IN_PLACE by default (Open MPI: in_place_allgather is
+    False), a declared all-gather whose rows are each rank's block of out on every rank (as
+    wrap()'s Allgather(IN_PLACE)) is MPI's call with MPI_IN_PLACE on every rank, with no
+    copy; when one rank's rows come from elsewhere, no rank passes it (MPI wants it on all or
+    none), and results stay right either way."""
+    script = tmp_path / "inplace.py"
+    script.write_text(IN_PLACE_SCRIPT)
+    rc, log, _ = mpirun.launch(p, [str(script)], timeout=120)
+    assert rc == 0, log
+    assert log.count("in-place bits ok") == p, log

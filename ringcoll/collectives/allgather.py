@@ -48,13 +48,16 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
         _args.output(out, (rows_out,) + x.shape[1:], x.dtype, ctx, side, rows=True)
     src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
     native_counts = name == "native" or (measured and hasattr(g.t, "native_allgather"))
+    # this rank's rows already in its block of out (wrap()'s Allgather(IN_PLACE), FSDP's
+    # all_gather_into_tensor): when every rank's are, MPI's call goes in place on all
     exchange = Rows(g, x, out, "native" if native_counts else "ring", expect=counts, src=src,
-                    host=side.device is None, declared=declared)
+                    host=side.device is None, declared=declared,
+                    in_place=_own_block(src, out, counts, g.rank, _args.row_elems(x)))
     target = Target(out, x, ctx, side)
     row_bytes = _args.row_elems(x) * x.dtype.itemsize
     chosen = [None, name]  # auto's pick for the last counts seen (a repeat keeps the list)
     problem = declared_problem(ctx, x, out, counts, g.rank)
-    bound = [None, None, None]  # MPI's all-gather bound to (these counts, this dst)
+    bound = [None, None, None, None]  # MPI's all-gather bound to (counts, dst, all in place)
     # once the call is agreed and runs MPI's call: that call bound, and the result (out).
     # Then a repeat is one dict lookup and MPI's call, while the agreement holds (every
     # rank's g.declared forgets it alike: see Rows)
@@ -65,12 +68,14 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
         if hot[0] is not None and agreed(sig) is not None:
             hot[0]()
             return hot[1]
-        if exchange.agreed() is not None:  # counts declared by every rank, agreed before
+        agreed_before = exchange.agreed()  # (every rank on the host, every rank in place)
+        if agreed_before is not None:  # counts declared by every rank, agreed before
             if problem is not None:
                 raise InvalidArgumentError(problem)  # (the others are sending: abort)
-            got, carried = counts, False
+            got, carried, in_place = counts, False, agreed_before[1]
         else:
             got, carried = exchange()  # host numbers, over the host transport
+            in_place = exchange.everyone[2]
         part, result, dst, copy_to = target(got)
         if measured and got is not chosen[0]:
             chosen[:] = got, _args.pick_simple(None, ALGORITHMS, ctx, g, side,
@@ -78,8 +83,8 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
         if carried:  # every rank's rows came with the counts
             exchange.unpack(dst)
         elif chosen[1] == "native":
-            if bound[0] is not got or bound[1] is not dst:
-                bound[:] = got, dst, _mpi_step(side, src, dst, part, g.rank)
+            if bound[0] is not got or bound[1] is not dst or bound[3] is not in_place:
+                bound[:] = got, dst, _mpi_step(side, src, dst, part, g.rank, in_place), in_place
             bound[2]()
             if got is counts and copy_to is None:  # (declared: got is counts when agreed)
                 hot[:] = bound[2], result
@@ -96,11 +101,14 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
                 repeatable=x is given and out is not None)
 
 
-def _mpi_step(side, src, dst, part, rank):
+def _mpi_step(side, src, dst, part, rank, in_place=False):
     """MPI's all-gather of src into dst (flat, every rank's rows at part) as one zero-argument
     call. MPI forbids a send buffer that overlaps the receive buffer and wants MPI_IN_PLACE
-    on every rank or on none; which of two ways is faster depends on the MPI library, the
-    same on every rank (the transport's in_place_allgather):
+    on every rank or on none. in_place: the ranks agreed that every rank's rows sit in its
+    block of dst (Rows' in-place bits): then every rank passes MPI_IN_PLACE, with no copy
+    (a rank whose rows moved since, under declared counts, copies them in first). Else which
+    of two ways is faster depends on the MPI library, the same on every rank (the
+    transport's in_place_allgather):
 
     - MPICH: every rank passes MPI_IN_PLACE, having copied its rows into its block of dst
       unless they are that block already (an in-place call, as wrap()'s Allgather(IN_PLACE)
@@ -110,9 +118,11 @@ def _mpi_step(side, src, dst, part, rank):
       6.5 us; MPI's own: 3.2).
     - Open MPI (and any other): src as the send buffer, or a copy of it where it overlaps
       dst. Open MPI 5.0.11's in-place all-gather right after the copy takes twice as long as
-      the copy and the all-gather apart (128 KiB at -n 2: 22.8 against 3.1 + 8.0 us)."""
+      the copy and the all-gather apart (128 KiB at -n 2: 22.8 against 3.1 + 8.0 us), and
+      a copy of the own rows into a spare before the out-of-place call made wrap()'s
+      Allgather(IN_PLACE) of 256 KiB 5x slower than MPI's in place (in_place above)."""
     mine = dst[part.slices[rank]]
-    if getattr(side.t, "in_place_allgather", False):
+    if in_place or getattr(side.t, "in_place_allgather", False):
         call = native.bind(side.t, "native_allgather", None, dst, part.counts)
         if _args.same_bytes(src, mine):
             return call
@@ -122,6 +132,17 @@ def _mpi_step(side, src, dst, part, rank):
     spare = src.copy()
     return _args.copy_first(spare, src, native.bind(side.t, "native_allgather", spare, dst,
                                                     part.counts))
+
+
+def _own_block(src, out, counts, rank, row_elems):
+    """Are src's bytes (this rank's raw rows) exactly its block of out under counts (MPI's
+    IN_PLACE)? False without counts (the block's place is known only after the exchange) or
+    with an out that is not C-contiguous (the result is staged elsewhere)."""
+    if out is None or counts is None or not out.flags.c_contiguous:
+        return False
+    start = sum(counts[:rank]) * row_elems
+    flat = _args.raw(out.reshape(-1))
+    return _args.same_bytes(src, flat[start:start + counts[rank] * row_elems])
 
 
 def expected_counts(g, counts, ctx, declared=False):
@@ -190,7 +211,8 @@ class Target:
 #: bytes of a rank's rows that may ride in its slot of the count exchange (see Rows)
 SLOT_MAX = 8192
 #: numbers per rank: rows, row elements, ndim, layout crc, out rows, counts crc, carried,
-#: and bits: its rows are host memory (1), it declared its counts (2)
+#: and bits: its rows are host memory (1), it declared its counts (2), its rows are its block
+#: of out (4: in place)
 META = 8
 
 
@@ -221,8 +243,9 @@ class Rows:
     Declared counts: when every rank passed declared=True (with counts=) and the exchange
     found them right, each rank records the call's signature (collective, counts, dtype and
     row shape, whether its rows are host memory, and `key`: gather's root) in g.declared,
-    with whether every rank's rows are host memory (then MPI's own calls may move them). A
-    later call of that signature skips the exchange (agreed() says so; the caller then uses
+    with whether every rank's rows are host memory (then MPI's own calls may move them); with
+    in_place given (all-gather), the pair (that, whether every rank's rows were its block of
+    out: then MPI's call goes in place on every rank). A later call of that signature skips the exchange (agreed() says so; the caller then uses
     its counts). Every rank decides alike, since each records after the same exchanges and
     evicts the same oldest entry: what a rank that passed other arguments than the others
     would break is documented in docs/errors.md. Debug mode never skips (it checks every
@@ -230,17 +253,18 @@ class Rows:
     """
 
     def __init__(self, g, x, out, name, collective=NAME, expect=None, src=None, key=(),
-                 host=True, declared=False):
+                 host=True, declared=False, in_place=None):
         self.g, self.x, self.out, self.name = g, x, out, name
-        self.collective, self.expect = collective, expect
+        self.collective, self.expect, self.in_place = collective, expect, in_place
         layout = _args.layout(x.dtype, x.shape[1:])
         out_rows = -1 if out is None else out.shape[0]
         self.numbers = [x.shape[0], _args.row_elems(x), x.ndim, layout, out_rows,
                         -1 if expect is None else _args.counts_crc(expect), 0,
-                        bool(host) + 2 * bool(declared)]
+                        bool(host) + 2 * bool(declared) + 4 * bool(in_place)]
         self.signature = None if not declared or g.options.debug else \
             (collective, tuple(expect), layout, bool(host)) + tuple(key)
-        self.everyone = None  # the judged exchange's verdict: all declared, all host memory?
+        # the judged exchange's verdict: all declared, all host memory, all in place?
+        self.everyone = None
         self.src = None if src is None or not isinstance(src, np.ndarray) else \
             src.view(np.uint8)
         self.row_bytes = _args.row_elems(x) * x.dtype.itemsize
@@ -288,11 +312,13 @@ class Rows:
                 sizes = [c * self.row_bytes for c in self.got]
                 self.offsets = np.cumsum([0] + sizes).tolist()
                 self.next_slot = -(-max(sizes) // 8) * 8 if max(sizes) <= SLOT_MAX else 0
-                self.everyone = (bool((meta[:, 7] & 2).all()), bool((meta[:, 7] & 1).all()))
+                self.everyone = (bool((meta[:, 7] & 2).all()), bool((meta[:, 7] & 1).all()),
+                                 bool((meta[:, 7] & 4).all()))
             self.seen, self.carried = headers, bool(meta[:, 6].all())
         g.slots[self.collective] = self.next_slot  # the same on every rank: all saw got
         if self.signature is not None and self.everyone[0]:
-            g.declared[self.signature] = self.everyone[1]
+            g.declared[self.signature] = self.everyone[1] if self.in_place is None else \
+                self.everyone[1:]
         return self.got, self.carried
 
     def agreed(self):
@@ -320,10 +346,11 @@ class Rows:
 
 
 def headers_differ(a, b, p):
-    """Do two exchanges' headers differ in more than the "carried" numbers?"""
-    x = np.frombuffer(a, np.int64).reshape(p, META)[:, :6]
-    y = np.frombuffer(b, np.int64).reshape(p, META)[:, :6]
-    return not np.array_equal(x, y)
+    """Do two exchanges' headers differ in more than the "carried" numbers (which change with
+    the payload, not the call)? The bits count: they make everyone's verdict."""
+    x = np.frombuffer(a, np.int64).reshape(p, META)
+    y = np.frombuffer(b, np.int64).reshape(p, META)
+    return not (np.array_equal(x[:, :6], y[:, :6]) and np.array_equal(x[:, 7], y[:, 7]))
 
 
 def _judge(g, meta, mine, x, out, collective, expect):
