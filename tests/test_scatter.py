@@ -12,6 +12,7 @@ from ringcoll.collectives import _args as A
 from ringcoll.collectives import scatter as S
 from ringcoll.transport.base import Tag
 
+import _mpirun as mpirun
 import _oracle as O
 from test_threads import expect_error_on_every_rank, per_rank, run
 
@@ -325,3 +326,67 @@ def test_scatter_in_the_registry_and_on_the_facade():
     assert COLLECTIVES["scatter"] is S and S.ALGORITHMS == ("tree", "native")
     assert ringcoll.Communicator.scatter.__doc__.startswith("Split root's x along axis 0")
     assert Tag.SCATTER.name == "SCATTER" and len({int(t) for t in Tag}) == len(Tag)
+
+
+ONE_CALL_SCRIPT = r"""
+import numpy as np, ringcoll
+from mpi4py import MPI
+from ringcoll.collectives.scatter import CARRY_MAX
+comm = ringcoll.Communicator(MPI.COMM_WORLD)
+p, r = comm.size, comm.rank
+rec = np.dtype([("a", np.int8), ("b", np.float64)])
+ride = CARRY_MAX // (8 * p * p)  # int64 rows that still ride at p ranks; one more does not
+plans = [[2] * p, [2] * p, [3] * p, [3] * p, [0] * p, [1] * p, list(range(p)),
+         list(range(p)), [ride] * p, [ride] * p, [ride + 1] * p, [ride + 1] * p, [1] * p]
+def rows(k, n, dtype):
+    x = np.zeros(n, dtype)
+    if dtype == rec:
+        x["a"], x["b"] = k, np.arange(n) + 0.25
+    else:
+        x[...] = np.arange(n) * 3 + k
+    return x
+bad = []
+for k, counts in enumerate(plans):
+    root = (k // 2) % p
+    for dtype in (np.int64, rec):
+        full = rows(k, sum(counts), dtype)
+        x = full if r == root else None
+        out = np.empty(counts[r], dtype) if (k + r) % 3 or dtype == rec else None
+        for again in range(3):  # the same call again: the later ones may carry the blocks
+            if r == root:
+                full["a" if dtype == rec else ...] += 1  # new values each call, same x
+            got = comm.scatter(x, root=root, counts=counts, out=out)
+            full_now = MPI.COMM_WORLD.bcast(full if r == root else None, root=root)
+            lo = sum(counts[:r])
+            if got.tobytes() != full_now[lo:lo + counts[r]].tobytes():
+                bad.append((k, str(dtype), again))
+# a wrong out= on the last rank after small repeated calls: every rank raises, then goes on
+errors = []
+for _ in range(2):
+    n = 3 if r == p - 1 and p > 1 else 2
+    try:
+        comm.scatter(np.arange(2.0 * p) if r == 0 else None, out=np.empty(n))
+        errors.append(None)
+    except ringcoll.RingcollError as e:
+        errors.append(type(e).__name__)
+got = comm.scatter(np.arange(2.0 * p) if r == 0 else None, out=np.empty(2))
+assert (got == [2.0 * r, 2.0 * r + 1]).all(), got
+want = ["InvalidArgumentError" if r == p - 1 else "PeerFailedError"] * 2 if p > 1 else [None] * 2
+assert not bad and errors == want, (r, bad, errors)
+print("one call ok", r)
+"""
+
+
+@mpirun.needs_mpi
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_scatter_agreed_in_one_mpi_allgather_carries_blocks_as_sizes_change(tmp_path, p):
+    """Under real MPI the agreement is one MPI_Allgather (OneCall) in which every rank judges
+    every record: block sizes changing call to call (past the slot, zero, uneven, the last
+    size that rides and the first that does not), roots changing, a padded structured dtype,
+    new values in the same x: every block equals root's rows on every rank; a bad out= after
+    small repeated calls is refused on every rank alike, and the next call works."""
+    script = tmp_path / "one_call.py"
+    script.write_text(ONE_CALL_SCRIPT)
+    rc, log, _ = mpirun.launch(p, [str(script)], timeout=120)
+    assert rc == 0, log
+    assert log.count("one call ok") == p, log

@@ -13,24 +13,27 @@ raises on every rank alike instead of hanging one of them:
 3. every rank raises alike if any verdict is not OK, else the data goes down the binomial
    tree (algorithms/tree.py scatter, gather's mirror image).
 
-Under auto, where the transport has the MPI library's own calls, steps 1 and 2 are
-MPI_Gather and MPI_Scatter of the same numbers (one C call each instead of a Python tree);
-algorithm='tree' keeps them ringcoll's.
+Under auto, where the transport has the MPI library's own calls, steps 1 and 2 are one
+MPI_Allgather instead (OneCall): every rank's record and root's description of its call (the
+header but for the other ranks' verdicts) reach every rank, and every rank judges every
+record alike (_judge is a function of those numbers alone), so all raise alike or none with
+one collective instead of two (MPICH at -n 2: about 2.2 us against 1.8 + 2.0 for a gather
+and a scatter). algorithm='tree' keeps ringcoll's two trees.
 
 Small blocks ride with the header instead (no step 3): after each scatter every rank knows
 every block's bytes from the header, so all agree without a message on the next call's slot
-size S (the largest block, if p S <= CARRY_MAX; else 0). Each rank's row of step 2 then has a
-slot of S bytes after the numbers; root fills each with that rank's block when every block
-fits (and its x is in host memory) and says so in the numbers, and each rank copies its
-block out. A repeated small scatter costs the two steps of the agreement, not three, and
-moves each block once, as MPI_Scatter does. Root judges the records again only when they
-differ from the last ones, and every rank reads the header anew only when it differs from
-the last.
+size S (the largest block, if p p S <= CARRY_MAX; else 0). In the tree's header each rank's
+row has a slot of S bytes after the numbers, root filling each with that rank's block; in
+the one MPI call root's slot has p of them (every slot is as wide, hence p p S received per
+rank). Root fills them when every block fits (and its x is in host memory) and says so in
+the numbers, and each rank copies its block out. A repeated small scatter costs the
+agreement alone, not a data step too. The records are judged again only when they differ
+from the last ones, and every rank reads the header anew only when it differs from the last.
 
 Declared counts: with declared=True on every rank, every rank passes counts= (root's, which
 the others then declare too, as wrap()'s Scatter does: MPI_Scatter's counts are all the same)
-and every non-root out=; each record carries a fingerprint of its counts, root checks them
-against its own, and the header says whether every rank declared (and whether every rank's
+and every non-root out=; each record carries a fingerprint of its counts, judged against
+root's, and the header says whether every rank declared (and whether every rank's
 memory is host memory). Then every rank records the call's signature (counts, dtype and row
 shape, memory kind, root) in g.declared, as allgather.Rows does, and the same call again skips
 steps 1 and 2: only the data moves, as in MPI_Scatterv.
@@ -41,8 +44,9 @@ scattered bytes (_args.native_rows). Without a table entry for this p, auto take
 for declared equal blocks of at most NATIVE_MAX bytes: MPICH's scatter beats the tree for
 small blocks, the tree wins from about 32 KiB at -n 2 and 128 KiB-2 MiB at -n 4.
 
-Cost: 2 ceil(log2 p) a for the agreement, plus ceil(log2 p) a + (n - c_root) b at the root
-for n scattered bytes ((p-1)/p n b for even blocks): root sends every other block once.
+Cost: 2 ceil(log2 p) a for the agreement by the trees (one MPI_Allgather of a few numbers
+per rank under auto), plus ceil(log2 p) a + (n - c_root) b at the root for n scattered bytes
+((p-1)/p n b for even blocks): root sends every other block once.
 """
 
 import operator
@@ -68,7 +72,7 @@ RECORD = 5
 #: the largest block (bytes) a declared, equal-count scatter sends by MPI's own call under auto
 NATIVE_MAX = 65536
 SLOTS = 8  # trailing dimensions the header carries; rows of more need out= on non-roots
-CARRY_MAX = 16384  # bytes of blocks (p slots) that may ride in the header (see the module doc)
+CARRY_MAX = 8192  # p * p * S: bytes a rank receives when blocks ride (see OneCall)
 NAME_BYTES = 16  # root's dtype, spelled as np.dtype() reads it back
 
 # verdicts, one per rank in the header
@@ -99,14 +103,12 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     if name == "native":
         native_calls.check(side.t, None, ctx)
     layout = 0 if out is None else _args.layout(out.dtype, out.shape[1:])
-    src = judge = own = None  # root's: its flat rows, how it judges the records, its verdict
+    src = described = own = None  # root's: its flat rows, its header numbers, its verdict
     if g.rank == root:
         rows, (code, own) = _root_verdict(x, given, counts, out, p, root)
         src = _args.raw(x.reshape(-1))  # raw: a struct's padding travels too
         layout = _args.layout(x.dtype, x.shape[1:])
-
-        def judge(meta):
-            return _judge(meta, x, rows, code, p, root)
+        described = _describe(x, rows, code, p, root)
 
     # declared counts (see the module doc): the signature, and what this rank's own
     # arguments contradict in them, raised only when the call skips the agreement
@@ -158,10 +160,10 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
     direct = _direct(g, side, sig, x, out, move, hot)
 
     words = _header_size(p)
-    # the agreement by MPI's own gather and scatter under auto where the transport has
-    # them: two C calls instead of two Python trees (explicit 'tree': ringcoll's trees)
-    mpi = algorithm in (None, "auto", "native") and hasattr(g.t, "native_gather")
-    agree = Agreement(g, mine, root, judge, src, mpi)
+    # the agreement by one MPI_Allgather under auto where the transport has MPI's calls
+    # (explicit 'tree': ringcoll's two trees)
+    mpi = algorithm in (None, "auto", "native") and hasattr(g.t, "native_allgather")
+    agree = (OneCall if mpi else Agreement)(g, mine, root, described, src)
     # the header's numbers last read, what they gave, out's targets, (everyone, carried)
     last = [None, None, None, None]
 
@@ -174,9 +176,8 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
             if problem is not None:
                 raise InvalidArgumentError(f"{ctx}{problem}")  # (the others move data: abort)
             return direct(host_all)
-        header = agree()
-        numbers = header[:words].tobytes()
-        if numbers != last[0]:
+        header = agree()  # (the very same array while the numbers stay the same)
+        if header is not last[0]:
             verdicts, rows, (row_elems, _), _, _ = _parts(header, p)
             if verdicts.any():
                 g.slots[NAME] = 0  # every rank refuses alike, and starts again from 0
@@ -184,7 +185,7 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
                 raise _refusal(header, p, g.rank, root, out, own, ctx_now)
             # (the numbers' last two words, read here once: the same while the numbers are)
             flags = int(header[words - 2]), bool(header[words - 1])
-            last[:] = numbers, _reading(header, p, g.rank, root, x, out, side), None, flags
+            last[:] = header, _reading(header, p, g.rank, root, x, out, side), None, flags
         everyone, carried = last[3]  # everyone: bit 0 all declared, bit 1 all host memory
         if sig is not None and everyone & 1:
             g.declared[sig] = bool(everyone & 2)
@@ -214,10 +215,11 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
 
 
 def _header_size(p):
-    """int64 numbers in root's header: _parts' (2 p + 4 + SLOTS), then root's itemsize,
-    whether every rank declared its counts (bit 0) and has host memory (bit 1), and whether
-    the blocks ride in it (the slots that follow)."""
-    return 2 * p + 7 + SLOTS
+    """int64 numbers in root's header: _parts' (2 p + 4 + SLOTS), then root's itemsize, its
+    layout crc, whether a rank can allocate its block from the header (describable), whether
+    every rank declared its counts (bit 0) and has host memory (bit 1), and whether the
+    blocks ride with it (carried)."""
+    return 2 * p + 9 + SLOTS
 
 
 def _block_problem(out, counts, rank, root):
@@ -277,50 +279,41 @@ def _reading(header, p, rank, root, x, out, side):
     part = Partition([int(c) * int(row_elems) for c in rows])
     largest = max(part.counts) * int(header[2 * p + 4 + SLOTS])  # bytes of the largest block
     slot = -(-largest // 8) * 8
-    return block, dtype, part, slot if p * slot <= CARRY_MAX else 0
+    return block, dtype, part, slot if p * p * slot <= CARRY_MAX else 0
 
 
 class Agreement:
-    """Steps 1 and 2 of the module doc, built once per plan: calling it gathers the records,
-    has root judge them (again only when they differ from the last) and scatters the header
-    (its numbers, and this rank's block in its slot when all fit) to every rank; returns this
-    rank's header (whether the blocks came in it is its numbers' last word).
+    """Steps 1 and 2 of the module doc by ringcoll's own trees (algorithm='tree', or a
+    transport without MPI's calls), built once per plan: calling it gathers the records up
+    the tree to root, has root judge them (again only when they differ from the last) and
+    scatters the header down it, p equal rows: the same numbers in each, then that rank's
+    slot for its block. Returns this rank's numbers, the very same array while they stay the
+    same (whether the blocks came is their last word); unpack() copies this rank's block.
+    A scatter, not a broadcast of all p slots: each rank receives its own block only."""
 
-    Root's send buffer is p rows, one per rank: the same numbers in each (written when they
-    change), then that rank's slot. A scatter, not a broadcast of all p slots: each rank
-    receives its own block only, and MPICH's broadcast from a root other than 0 is slow (at -n
-    2, 256 B: 4.7 us against 2.0 for MPI_Scatter; 8 KiB: 22 us against 4.5)."""
-
-    def __init__(self, g, mine, root, judge, src, mpi=False):
-        self.g, self.mine, self.root, self.judge, self.mpi = g, mine, root, judge, mpi
+    def __init__(self, g, mine, root, described, src):
+        self.g, self.mine, self.root, self.described = g, mine, root, described
         p = g.size
-        self.meta = np.empty((p, RECORD), dtype=np.int64) if judge is not None else None
+        self.is_root = g.rank == root
+        self.meta = np.empty((p, RECORD), dtype=np.int64) if self.is_root else None
         self.part = g.host.ws.partition(RECORD * p, p)
         self.src = src.view(np.uint8) if isinstance(src, np.ndarray) else None
-        self.seen, self.numbers = None, None  # root: the last records, and their header
+        self.seen, self.judged = None, None  # root: the last records, and their numbers
         self.rows = None  # root: p rows of (numbers, slot), for the current slot size
         self.header = None  # this rank's row for the current slot size
-        self.fill = None  # root: the copies that fill the slots, for the current header
+        self.fill = None  # root: the copies that fill the slots, for the current numbers
+        self.read = None  # (the bytes of the numbers last returned, a copy of them)
         self.mine_view = None  # (header, part, this rank's slot bytes, dst, its bytes): unpack
-        # MPI's gather of the records bound once, its scatter once per slot size: a repeated
-        # call parses no arguments
-        self.gather = native_calls.bind(g.t, "native_gather", mine, None if self.meta is None
-                                        else self.meta.reshape(-1), root) if mpi else None
-        self.send = None
 
     def _buffers(self, width):
-        """The header rows for `width` int64 per rank, and MPI's scatter bound to them."""
-        g, p = self.g, self.g.size
-        if self.judge is not None:  # root: its own row is its header (in place)
+        p = self.g.size
+        if self.is_root:  # root: its own row is its header (in place)
             self.rows = np.zeros((p, width), np.int64)
             self.header = self.rows[self.root]
         else:
             self.header = np.zeros(width, np.int64)
-        self.row_part = g.host.ws.partition(p * width, p)
-        if self.mpi:
-            self.send = native_calls.bind(
-                g.t, "native_scatterv", None if self.rows is None else self.rows.reshape(-1),
-                None if self.rows is not None else self.header, [width] * p, self.root)
+        self.row_part = self.g.host.ws.partition(p * width, p)
+        self.slot_bytes = self.header[_header_size(p):].view(np.uint8)  # this rank's slot
 
     def __call__(self):
         g, p, words = self.g, self.g.size, _header_size(self.g.size)
@@ -328,61 +321,125 @@ class Agreement:
         fresh = self.header is None or self.header.size != words + slot // 8
         if fresh:
             self._buffers(words + slot // 8)
-        header = self.header
         meta = self.meta
-        if self.mpi:
-            self.gather()
-        else:
-            tree.gather(g.t, self.mine, None if meta is None else meta.reshape(-1), self.part,
-                        self.root, g.host.ws)
-        if self.judge is not None:  # root
+        tree.gather(g.t, self.mine, None if meta is None else meta.reshape(-1), self.part,
+                    self.root, g.host.ws)
+        if self.is_root:
             records = meta.tobytes()
             if records != self.seen or fresh:  # (else the rows hold their numbers still)
                 if records != self.seen:
-                    self.numbers, self.seen = self.judge(meta), records
-                self.rows[:, :words] = self.numbers
-                self.fill = self._fill(slot)
+                    self.judged, self.seen = _judge(self.described, meta, p, self.root), records
+                self.rows[:, :words] = self.judged
+                self.fill = _fill(self.judged, self.rows[:, words:].view(np.uint8), self.src,
+                                  p, slot)
                 self.rows[:, words - 1] = self.fill is not None
             for into, source in self.fill or ():
                 into[...] = source
-        if self.mpi:
-            self.send()
-        else:  # host numbers, host transport
-            tree.scatter(g.t, None if self.rows is None else self.rows.reshape(-1), header,
-                         self.row_part, self.root, g.host.ws, Tag.VERDICT)
-        return header  # (its numbers' last word: whether the blocks ride in the slots)
-
-    def _fill(self, slot):
-        """Root: the copies of every block into its rank's slot, if all fit (and x is host
-        memory); else None."""
-        p, words = self.g.size, _header_size(self.g.size)
-        verdicts, rows, (row_elems, _), _, _ = _parts(self.numbers, p)
-        if slot == 0 or self.src is None or verdicts.any():
-            return None
-        item = int(self.numbers[2 * p + 4 + SLOTS])
-        sizes = [int(r) * int(row_elems) * item for r in rows]
-        if max(sizes) > slot:
-            return None
-        slots = self.rows[:, words:].view(np.uint8)
-        offsets = np.cumsum([0] + sizes).tolist()
-        return [(slots[r, :sizes[r]], self.src[offsets[r]:offsets[r + 1]]) for r in range(p)]
+        tree.scatter(g.t, None if self.rows is None else self.rows.reshape(-1), self.header,
+                     self.row_part, self.root, g.host.ws, Tag.VERDICT)
+        numbers = self.header[:words].tobytes()
+        if self.read is None or numbers != self.read[0]:
+            self.read = numbers, self.header[:words].copy()
+        return self.read[1]
 
     def unpack(self, dst, part):
         """This rank's block, from its slot of the header, into dst (flat, raw)."""
-        if self.mine_view is None or self.mine_view[0] is not self.header \
-                or self.mine_view[1] is not part:
-            words, rank = _header_size(self.g.size), self.g.rank
-            nbytes = part.counts[rank] * dst.itemsize
-            self.mine_view = (self.header, part, self.header[words:].view(np.uint8)[:nbytes],
-                              None, None)
-        if self.mine_view[3] is not dst:  # (dst's bytes viewed once while dst repeats)
-            xp = array_module(dst)
-            self.mine_view = self.mine_view[:3] + (dst, dst.view(xp.uint8))
-        mine, into = self.mine_view[2], self.mine_view[4]
-        if isinstance(dst, np.ndarray):
-            into[...] = mine
-        else:  # a device block: one copy up
-            into[...] = array_module(dst).asarray(mine)
+        _unpack(self, dst, part)
+
+
+class OneCall:
+    """Steps 1 and 2 of the module doc as one MPI_Allgather, under auto where the transport
+    has MPI's calls: every rank's slot holds its record; root's also holds its description
+    (_describe: everything but the other ranks' verdicts) and, when they fit, every block.
+    Every rank then judges every record alike (_judge is a function of what all received),
+    so all raise alike or none, with one collective instead of a gather and a scatter (MPICH
+    at -n 2: about 2.2 us against 1.8 + 2.0). The numbers are judged again only when the
+    records or root's description differ from the last. Returns this rank's numbers, the very
+    same array while they stay the same; unpack() copies this rank's block from root's slot.
+
+    Every slot is as wide as root's, so each rank receives p of them: blocks ride only while
+    p * p * S <= CARRY_MAX (_reading)."""
+
+    def __init__(self, g, mine, root, described, src):
+        self.g, self.mine, self.root, self.described = g, mine, root, described
+        self.is_root = g.rank == root
+        self.src = src.view(np.uint8) if isinstance(src, np.ndarray) else None
+        self.width = None  # int64 per slot, for the current slot size
+        self.seen, self.judged = None, None  # the last slots' numbers, and their verdict
+        self.fill = None  # root: the copies of the blocks into its slot
+        self.mine_view = None
+
+    def _buffers(self, slot):
+        g, p, words = self.g, self.g.size, _header_size(self.g.size)
+        self.width = RECORD + words + p * slot // 8
+        self.send = np.zeros(self.width, np.int64)
+        self.send[:RECORD] = self.mine
+        self.recv = np.empty((p, self.width), np.int64)
+        self.numbers = self.recv[:, :RECORD + words]  # every record, root's description
+        # this rank's block's place in root's slot
+        self.slot_bytes = self.recv[self.root, RECORD + words:].view(np.uint8)[g.rank * slot:]
+        self.fill = None
+        if self.is_root:
+            described = self.send[RECORD:RECORD + words]
+            described[:] = self.described
+            blocks = self.send[RECORD + words:].view(np.uint8).reshape(p, slot)
+            self.fill = _fill(described, blocks, self.src, p, slot)
+            described[words - 1] = self.fill is not None
+        self.call = native_calls.bind(g.t, "native_allgather", self.send, self.recv.reshape(-1),
+                                      [self.width] * p)
+        self.seen = None
+
+    def __call__(self):
+        g, p, words = self.g, self.g.size, _header_size(self.g.size)
+        slot = g.slots.get(NAME, 0)
+        if self.width != RECORD + words + p * slot // 8:
+            self._buffers(slot)
+        for into, source in self.fill or ():
+            into[...] = source
+        self.call()
+        seen = self.numbers.tobytes()
+        if seen != self.seen:
+            described = self.recv[self.root, RECORD:RECORD + words]
+            self.judged = _judge(described, self.recv[:, :RECORD], p, self.root)
+            self.judged[words - 1] = described[words - 1]  # (root's: the blocks are here)
+            self.seen = seen
+        return self.judged
+
+    def unpack(self, dst, part):
+        """This rank's block, from its place in root's slot, into dst (flat, raw)."""
+        _unpack(self, dst, part)
+
+
+def _fill(numbers, slots, src, p, slot):
+    """Root: the copies of every block into its slot (slots[r]: rank r's, bytes), if all fit
+    (and x is host memory: src); else None. One copy where the blocks lie in x as in the
+    slots (equal blocks of whole slots, back to back)."""
+    verdicts, rows, (row_elems, _), _, _ = _parts(numbers, p)
+    if slot == 0 or src is None or verdicts.any():
+        return None
+    item = int(numbers[2 * p + 4 + SLOTS])
+    sizes = [int(r) * int(row_elems) * item for r in rows]
+    if max(sizes) > slot:
+        return None
+    if sizes == [slot] * p and slots.flags.c_contiguous:
+        return [(slots.reshape(-1), src[:p * slot])]
+    offsets = np.cumsum([0] + sizes).tolist()
+    return [(slots[r, :sizes[r]], src[offsets[r]:offsets[r + 1]]) for r in range(p)]
+
+
+def _unpack(agreement, dst, part):
+    """Copy this rank's block from agreement.slot_bytes (its slot's bytes onwards) into dst;
+    the views made once while the slot buffer, part and dst repeat (agreement.mine_view)."""
+    view, slot_bytes = agreement.mine_view, agreement.slot_bytes
+    if view is None or view[0] is not part or view[1] is not dst or view[4] is not slot_bytes:
+        nbytes = part.counts[agreement.g.rank] * dst.itemsize
+        view = agreement.mine_view = (part, dst, slot_bytes[:nbytes],
+                                      dst.view(array_module(dst).uint8), slot_bytes)
+    mine, into = view[2], view[3]
+    if isinstance(dst, np.ndarray):
+        into[...] = mine
+    else:  # a device block: one copy up
+        into[...] = array_module(dst).asarray(mine)
 
 
 def _parts(header, p):
@@ -461,17 +518,38 @@ def _address(a):
     return a.data.ptr if is_device(a) else a.ctypes.data
 
 
-def _judge(meta, x, rows, own, p, root):
-    """Root's header: [verdict per rank | rows per rank | row elements, trailing ndim,
-    dtype (2 words), trailing shape (SLOTS words)]."""
+def _describe(x, rows, own, p, root):
+    """Root's numbers before any record: [verdicts (root's own; 0 for the others) | rows per
+    rank | row elements, trailing ndim | dtype (2 words) | trailing shape (SLOTS words) |
+    itemsize, layout crc, describable, flags, carried]; see _header_size."""
     header = np.zeros(_header_size(p), dtype=np.int64)
     verdicts, counts, sizes, name, shape = _parts(header, p)
     trail, spelled = x.shape[1:], _spell(x.dtype)
-    describable = spelled is not None and len(trail) <= SLOTS
     verdicts[root] = own
-    if rows is not None:  # with bad counts, no other rank's out can be judged
+    if rows is not None:  # (None: bad counts, root's own verdict says so)
         counts[:] = rows
-        layout = _args.layout(x.dtype, trail)
+    sizes[:] = _args.row_elems(x), len(trail)
+    at = 2 * p + 4 + SLOTS
+    header[at] = x.dtype.itemsize
+    header[at + 1] = _args.layout(x.dtype, trail)
+    header[at + 2] = spelled is not None and len(trail) <= SLOTS
+    if spelled is not None:
+        name[:] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
+    if len(trail) <= SLOTS:
+        shape[:len(trail)] = trail
+    return header
+
+
+def _judge(described, meta, p, root):
+    """The header: root's description with a verdict for every other rank's record (meta, p
+    rows of RECORD) and the flags of all of them. A function of these numbers alone, so every
+    rank that has them judges alike."""
+    header = np.array(described, dtype=np.int64)
+    verdicts, counts, _, _, _ = _parts(header, p)
+    at = 2 * p + 4 + SLOTS
+    if verdicts[root] != BAD_COUNTS:  # with bad counts, no other rank's out can be judged
+        rows = [int(c) for c in counts]
+        layout, describable = header[at + 1], header[at + 2]
         declared = _args.counts_crc(rows)
         for r in range(p):
             has_out, out_rows, out_layout, counts_crc, _ = meta[r]
@@ -485,13 +563,8 @@ def _judge(meta, x, rows, own, p, root):
                 verdicts[r] = ROWS
             elif not has_out and not describable:
                 verdicts[r] = NEEDS_OUT
-    sizes[:] = _args.row_elems(x), len(trail)
-    header[2 * p + 4 + SLOTS] = x.dtype.itemsize
-    header[2 * p + 5 + SLOTS] = (meta[:, 4] & 2).all() + 2 * (meta[:, 4] & 1).all()
-    if spelled is not None:
-        name[:] = np.frombuffer(spelled.ljust(NAME_BYTES, b"\0"), np.int64)
-    if len(trail) <= SLOTS:
-        shape[:len(trail)] = trail
+    header[at + 3] = (meta[:, 4] & 2).all() + 2 * (meta[:, 4] & 1).all()
+    header[at + 4] = 0  # (the caller sets "carried")
     return header
 
 
