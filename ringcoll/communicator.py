@@ -531,10 +531,11 @@ class Communicator:
             np.ndarray: the received blocks in rank order (block i from rank i), shape
             (sum of received rows,) + x.shape[1:].
 
-        Cost: (p-1) a + 48 (p-1) b for the count exchange (6 int64 per pair), ceil(log2 p) a
+        Cost: (p-1) a + 56 (p-1) b for the count exchange (7 int64 per pair), ceil(log2 p) a
         more when some rank passes recv_counts= or out= (every rank's verdict, all-gathered),
         then at most (p-1) a for the data, empty blocks skipped, each step taking the longer of
-        its send and its receive (module ringcoll.collectives.alltoallv has the details).
+        its send and its receive; a repeated call of small blocks carries them in the count
+        exchange instead (module ringcoll.collectives.alltoallv has the details).
 
         Example::
 

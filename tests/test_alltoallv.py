@@ -11,6 +11,7 @@ import pytest
 import ringcoll
 from ringcoll.transport.base import Tag
 
+import _mpirun as mpirun
 import _oracle as O
 from test_threads import expect_error_after_exchange, expect_error_on_every_rank, per_rank, run
 
@@ -117,12 +118,16 @@ def test_alltoallv_layouts_and_zero_dim(p):
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 7, 8, 16])
 def test_alltoallv_trace(p):
     """Data: rank r sends rank j one message of exactly counts[j] rows' bytes, none for an
-    empty block or to itself. Counts: p - 1 messages of 48 bytes (6 int64) from each rank,
+    empty block or to itself. Counts: p - 1 messages of 56 bytes (7 int64) from each rank,
     one to every other rank. Verdict: none unless some rank passes recv_counts= or out=;
-    then each rank sends ceil(log2 p) messages and receives 8 (p - 1) bytes (Bruck)."""
+    then each rank sends ceil(log2 p) messages and receives 8 (p - 1) bytes (Bruck). The
+    second call's blocks ride in the counts' slots (S bytes: the first call's largest block,
+    rounded up to 8): no data messages, counts messages of 56 + S bytes."""
     rng = np.random.default_rng([p, 7])
     C = rng.integers(0, 3, (p, p))
     trail, item = (3,), 8
+    slot = -(-int(C.max()) * 3 * item // 8) * 8
+    assert p * slot <= ringcoll.collectives.alltoallv.CARRY_MAX  # (so the second call carries)
 
     def fn(comm):
         r = comm.rank
@@ -135,12 +140,13 @@ def test_alltoallv_trace(p):
     for seq in (first, second):
         part = trace.select(seq=seq)
         data = part.select(tag="alltoall").messages
-        assert sorted((m.src, m.dst, m.nbytes) for m in data) == sorted(
+        assert sorted((m.src, m.dst, m.nbytes) for m in data) == (sorted(
             (i, j, int(C[i, j]) * 3 * item) for i in range(p) for j in range(p)
-            if i != j and C[i, j]), seq
+            if i != j and C[i, j]) if seq == first else []), seq
         counts = part.select(tag="counts").messages
         assert sorted((m.src, m.dst, m.nbytes) for m in counts) == sorted(
-            (i, j, 48) for i in range(p) for j in range(p) if i != j)
+            (i, j, 56 + (slot if seq == second else 0)) for i in range(p) for j in range(p)
+            if i != j)
         verdict = part.select(tag="verdict")
         if seq == first:
             assert not verdict.messages and not verdict.receives
@@ -352,3 +358,93 @@ def test_reduce_scatter_debug_mode_names_counts_that_differ():
     res = run(3, lambda c: c.reduce_scatter(np.ones(7), counts=[3, 2, 2] if c.rank else None),
               debug=True)
     assert [r.tolist() for r in res] == [[3.0] * 3, [3.0] * 2, [3.0] * 2]
+
+
+REC = np.dtype([("a", np.int8), ("b", np.float64)])  # padded: its padding travels too
+
+
+def carried_sequence(comm):
+    """alltoallv calls whose blocks ride in the count exchange's slots, and some that do not:
+    sizes changing call to call (growing past the slot and past CARRY_MAX, shrinking, zero,
+    uneven), a padded structured dtype, recv_counts= and out= given or not, new values in
+    the same x each time. Returns this rank's [(label, ok)], then its errors from a wrong
+    recv_counts= on the last rank after carried calls, then whether a right call works."""
+    from ringcoll.collectives.alltoallv import CARRY_MAX
+    p, r = comm.size, comm.rank
+    big = CARRY_MAX // (8 * p) + 1  # int64 rows past what may ride
+    plans = [lambda i, j: 1, lambda i, j: 1, lambda i, j: (i + 2 * j) % 3,
+             lambda i, j: (i + 2 * j) % 3, lambda i, j: 0, lambda i, j: 0,
+             lambda i, j: big, lambda i, j: big, lambda i, j: 2, lambda i, j: 2]
+    results = []
+    for k, rows in enumerate(plans):
+        for dtype in (np.int64, REC):
+            send = [rows(r, j) for j in range(p)]
+            recv = [rows(i, r) for i in range(p)]
+            x = np.zeros(sum(send), dtype)
+            out = np.empty(sum(recv), dtype) if k % 2 else None
+            for again in range(3):  # the same call again: the later ones may carry
+                value = (10 * k + 3 * again) % 120  # (int8 in REC)
+                col = x["a"] if dtype == REC else x
+                col[:] = value + r  # every block from rank i holds value + i
+                got = comm.alltoallv(x, send, out=out, recv_counts=recv if k % 4 < 2 else None)
+                want = np.concatenate([np.full(recv[i], value + i) for i in range(p)])
+                mine = got["a"] if dtype == REC else got
+                results.append((f"{k} {np.dtype(dtype)} {again}",
+                                got.shape == (sum(recv),) and mine.tolist() == want.tolist()
+                                and (out is None or got is out)))
+    errors = []
+    for _ in range(2):
+        wrong = [1] * p if r != p - 1 else [2] + [1] * (p - 1)
+        try:
+            comm.alltoallv(np.zeros(p), [1] * p, recv_counts=wrong)
+            errors.append(None)
+        except ringcoll.RingcollError as e:
+            errors.append(type(e).__name__)
+    got = comm.alltoallv(np.full(p, float(r)), [1] * p)
+    return results, errors, got.tolist() == [float(i) for i in range(p)]
+
+
+def check_carried(p, results, errors, works):
+    bad = [label for label, ok in results if not ok]
+    assert not bad, bad
+    return errors, works
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+def test_alltoallv_blocks_that_ride_in_the_count_exchange_as_sizes_change(p):
+    """carried_sequence on threads: every result right, whether the blocks came in the
+    count exchange's slots or by the data step; a wrong recv_counts= after carried calls is
+    refused on every rank alike, and a right call then works."""
+    for r, (results, errors, works) in enumerate(run(p, carried_sequence)):
+        check_carried(p, results, errors, works)
+        want = "CollectiveMismatchError" if r == p - 1 else "PeerFailedError"
+        assert errors == [want, want], (r, errors)
+        assert works
+
+
+CARRIED_SCRIPT = r"""
+import sys
+sys.path.insert(0, "tests")
+import numpy as np, ringcoll
+from mpi4py import MPI
+from test_alltoallv import carried_sequence
+comm = ringcoll.Communicator(MPI.COMM_WORLD)
+results, errors, works = carried_sequence(comm)
+bad = [label for label, ok in results if not ok]
+p, r = comm.size, comm.rank
+want = ["CollectiveMismatchError" if r == p - 1 else "PeerFailedError"] * 2
+assert not bad and errors == want and works, (r, bad, errors, works)
+print("carried ok", r)
+"""
+
+
+@mpirun.needs_mpi
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_alltoallv_blocks_ride_in_mpis_count_alltoall(tmp_path, p):
+    """carried_sequence under real MPI (the counts by MPI_Alltoall, the verdict by
+    MPI_Allgather, the data by MPI_Alltoallv or the pairwise exchange)."""
+    script = tmp_path / "carried.py"
+    script.write_text(CARRIED_SCRIPT)
+    rc, log, _ = mpirun.launch(p, [str(script)], timeout=180)
+    assert rc == 0, log
+    assert log.count("carried ok") == p, log

@@ -6,12 +6,13 @@ counts, but dtype and trailing shape (all but axis 0) must agree.
 
 Schedule, every rank (p ranks, n_s / n_r the bytes this rank sends to / receives from the
 others):
-1. counts: a pairwise exchange (algorithms/alltoall.py, Tag.COUNTS) of 6 int64 per pair: the
+1. counts: a pairwise exchange (algorithms/alltoall.py, Tag.COUNTS) of 7 int64 per pair: the
    rows this rank sends that peer, its row size, ndim and a CRC of dtype and trailing shape,
-   bits (it passed recv_counts= or out=, it declared, its rows are host memory) and all the
-   rows it sends. Cost (p-1) a + 48 (p-1) b. Every rank sent its layout to every rank, so if
-   any two ranks disagree on it, every rank sees a peer that differs and all raise
-   CollectiveMismatchError here.
+   bits (it passed recv_counts= or out=, it declared, its rows are host memory), all the
+   rows it sends and its largest block's bytes. Cost (p-1) a + 56 (p-1) b. Every rank sent its
+   layout to every rank, so if any two ranks disagree on it, every rank sees a peer that
+   differs and all raise CollectiveMismatchError here. Small blocks ride in it (Counts): then
+   there is no step 3.
 2. verdict, only if some rank passed recv_counts= or out= (every rank knows that after step
    1, so all take this step or none): Bruck's all-gather (algorithms/bruck.py, Tag.VERDICT) of
    one int64 per rank saying whether its recv_counts match what the senders send and out= has
@@ -23,8 +24,9 @@ others):
 3. data: the pairwise exchange of the blocks (algorithms/alltoall.py alltoallv): at most
    (p-1) a + sum over steps s of max(bytes to r+s, bytes from r-s) b, which lies between
    max(n_s, n_r) b and (n_s + n_r) b; empty blocks are skipped on both sides.
-In all, at most 2(p-1) a + 48 (p-1) b + the data's bytes without recv_counts=/out= on any
-rank, and ceil(log2 p) a + 8 (p-1) b more with them.
+In all, at most 2(p-1) a + 56 (p-1) b + the data's bytes without recv_counts=/out= on any
+rank, and ceil(log2 p) a + 8 (p-1) b more with them; (p-1) a + the slots' bytes when the
+blocks ride in step 1.
 
 "native": step 1 by MPI_Alltoall, step 2 by MPI_Allgather, step 3 by MPI_Alltoallv (the
 bytes as MPI.BYTE, so any dtype travels), so the native baseline pays no ringcoll step. Under
@@ -68,6 +70,10 @@ NATIVE_MAX = 65536
 FINE, WRONG_RECV_COUNTS, WRONG_OUT = 0, 1, 2
 #: the bit of a rank's count numbers saying its call repeats its last one, which ended fine
 AGAIN = 8
+#: int64 numbers per pair in step 1, before the slot that may carry the block
+NUMBERS = 7
+#: p * S at most: the bytes of blocks a rank sends in step 1's slots (see Counts)
+CARRY_MAX = 16384
 
 
 def plan(g, ctx, x, counts, out, recv_counts, algorithm, declared=False):
@@ -109,7 +115,7 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm, declared=False):
 
     mpi = name == "native" or (algorithm in (None, "auto") and hasattr(g.t, "native_alltoall"))
     exchange = Counts(g, x, counts, out, recv_counts, "native" if mpi else name, host,
-                      declared, sig)
+                      declared, sig, src if host else None, send)
     last = [None, None]  # the counts last got, and (recv, result, dst, copy_to) for out=
     chosen = [None, None, False]  # (got, (all host, total bytes), whether MPI's call moves)
     bound = [None, None, None]  # MPI_Alltoallv bound to (got, dst)
@@ -123,13 +129,14 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm, declared=False):
             hot[0]()
             return out
         found = None if sig is None else agreed(sig)  # (all host memory, total bytes)
+        carried = False
         if found is not None:  # declared and agreed on before: no exchange
             if problem is not None:
                 raise InvalidArgumentError(problem)  # (the others are sending: abort)
             got, everyone = recv_counts, found
         else:
             got = exchange()  # host numbers, host transport
-            everyone = exchange.everyone
+            everyone, carried = exchange.everyone, exchange.carried
         if got is last[0]:
             recv, result, dst, copy_to = last[1]
         else:
@@ -145,7 +152,9 @@ def plan(g, ctx, x, counts, out, recv_counts, algorithm, declared=False):
             chosen[:] = got, everyone, _args.native_rows(
                 g, NAME, algorithm, total * row_bytes, host_all,
                 fallback=total * row_bytes <= NATIVE_MAX)
-        if chosen[2]:
+        if carried:  # every block came in step 1's slots: no data step on any rank
+            exchange.unpack(dst, recv)
+        elif chosen[2]:
             if bound[0] is not got or bound[1] is not dst:
                 bound[:] = got, dst, native.bind(side.t, "native_alltoallv", src, send.counts,
                                                  dst, recv.counts)
@@ -169,53 +178,104 @@ class Counts:
     each rank sends this one (in rank order; the very same list while they repeat), once every
     rank knows that the call is consistent; else every rank raises. Then `everyone` is (every
     rank's rows are host memory, the rows all ranks send), the same on every rank; and where
-    every rank declared, the call's signature is recorded in g.declared with it."""
+    every rank declared, the call's signature is recorded in g.declared with it.
+
+    Small blocks ride in step 1: each pair's numbers are followed by a slot of S bytes, S the
+    largest block any rank sent in the last alltoallv on this communicator (rounded up to 8;
+    0 when p S > CARRY_MAX or at first), which every rank knows alike, since every rank's
+    numbers say its largest block. A rank whose blocks fit (and are host memory: src) sends
+    them in its slots; when every rank's largest block fits, the call is over after step 1
+    (and step 2 where it is needed): `carried` says so and unpack() copies the blocks out, so a
+    repeated small alltoallv costs one MPI_Alltoall, not an all-to-all and an MPI_Alltoallv."""
 
     def __init__(self, g, x, counts, out, recv_counts, name, host=True, declared=False,
-                 sig=None):
+                 sig=None, src=None, send=None):
         p = g.size
         self.g, self.x, self.out, self.recv_counts, self.name = g, x, out, recv_counts, name
         self.sig = sig
         layout = _args.layout(x.dtype, x.shape[1:])
         checking = int(recv_counts is not None or out is not None)
-        self.mine = np.empty((p, 6), np.int64)  # row j: what rank j gets from this rank
-        self.mine[:, 0] = counts
+        self.row_bytes = _args.row_elems(x) * x.dtype.itemsize
+        # the bytes of this rank's blocks, to carry (None: device memory, never carried)
+        self.src = None if src is None or not isinstance(src, np.ndarray) else src.view(np.uint8)
+        self.blocks = [c * self.row_bytes for c in counts]
+        largest = max(self.blocks, default=0) if self.src is not None else 1 << 62
+        numbers = np.empty((p, NUMBERS), np.int64)  # row j: what rank j gets from this rank
+        numbers[:, 0] = counts
         # bits: something to check (1), declared (2), host memory (4), the same call again
-        # (AGAIN: set in `again`, the numbers sent when this rank repeats); this rank's rows
-        self.mine[:, 1:] = [_args.row_elems(x), x.ndim, layout,
-                            checking + 2 * bool(declared) + 4 * bool(host), sum(counts)]
+        # (AGAIN: set in `again`, the numbers sent when this rank repeats); this rank's rows,
+        # and its largest block in bytes (more than any slot where its rows cannot ride)
+        numbers[:, 1:] = [_args.row_elems(x), x.ndim, layout,
+                          checking + 2 * bool(declared) + 4 * bool(host), sum(counts), largest]
+        self.numbers = numbers
+        self.part = None  # the exchange's buffers, for the current slot size (see _buffers)
+        self.slot = None
+        self.own, self.every = np.zeros(1, np.int64), np.empty(p, np.int64)
+        self.seen, self.got, self.verdict = None, None, FINE
+        self.everyone, self.carried = None, False
+        # what the bits said, as last judged: some rank checks, all declared, all again
+        self.checking = self.all_declared = self.all_again = False
+        self.next_slot = 0
+        self.verdict_call = None
+        if name == "native":
+            self.verdict_call = native.bind(g.t, "native_allgather", self.own, self.every,
+                                            [1] * p)
+        self.unpacking = None
+
+    def _buffers(self, slot):
+        """Send buffers (the numbers, and again with the AGAIN bit) and the receive buffer for
+        slots of `slot` bytes, this rank's copies into its slots when its blocks fit, and
+        MPI's all-to-all bound to each send buffer once: a repeated call parses no
+        arguments."""
+        g, p = self.g, self.g.size
+        width = NUMBERS + slot // 8
+        self.mine = np.zeros((p, width), np.int64)
+        self.mine[:, :NUMBERS] = self.numbers
         self.again = self.mine.copy()
         self.again[:, 4] |= AGAIN
         self.theirs = np.empty_like(self.mine)  # row i: what rank i sent this rank
+        self.heads = self.theirs[:, :NUMBERS]
         self.part = g.host.ws.partition(self.mine.size, p)
-        self.own, self.every = np.zeros(1, np.int64), np.empty(p, np.int64)
-        self.seen, self.got, self.verdict = None, None, FINE
-        self.everyone = None
-        # what the bits said, as last judged: some rank checks, all declared, all again
-        self.checking = self.all_declared = self.all_again = False
-        # MPI's calls bound once: a repeated call parses no arguments
-        self.counts_calls = self.verdict_call = None
-        if name == "native":
+        self.fills = [[], []]
+        if slot and self.src is not None and max(self.blocks, default=0) <= slot:
+            at = np.cumsum([0] + self.blocks).tolist()
+            for k, buf in enumerate((self.mine, self.again)):
+                slots = buf[:, NUMBERS:].view(np.uint8)
+                if self.blocks == [slot] * p:  # one strided copy
+                    self.fills[k] = [(slots, self.src[:p * slot].reshape(p, slot))]
+                else:
+                    self.fills[k] = [(slots[j, :self.blocks[j]], self.src[at[j]:at[j + 1]])
+                                     for j in range(p) if self.blocks[j]]
+        self.counts_calls = None
+        if self.name == "native":
             self.counts_calls = [native.bind(g.t, "native_alltoall", sent.reshape(-1),
                                              self.theirs.reshape(-1))
                                  for sent in (self.mine, self.again)]
-            self.verdict_call = native.bind(g.t, "native_allgather", self.own, self.every,
-                                            [1] * p)
+        self.slot, self.seen, self.unpacking = slot, None, None
 
     def __call__(self):
-        g, theirs = self.g, self.theirs
+        g = self.g
+        slot = g.slots.get(NAME, 0)
+        if slot != self.slot:
+            self._buffers(slot)
+        theirs = self.theirs
         # the same call again: this rank's last alltoallv ran this very exchange and ended
         # fine. When every rank says so (each sees every rank's bit), the call is the last
         # one again on every rank, whose verdicts were all fine: no verdict round
         again = g.last_fine.pop(NAME, None) is self  # (put back only if this call ends fine)
+        for into, source in self.fills[again]:
+            into[...] = source
         if self.counts_calls is not None:
             self.counts_calls[again]()
         else:
             sent = self.again if again else self.mine
             pairwise.alltoall(g.t, sent.reshape(-1), theirs.reshape(-1), self.part, Tag.COUNTS)
-        numbers = theirs.tobytes()
+        numbers = self.heads.tobytes()
         if numbers != self.seen:  # (NumPy's reductions only then: each costs a microsecond)
-            self.got, self.verdict = _judge(g, self.mine, theirs, self.x, self.out,
+            largest = int(theirs[:, 6].max())  # every rank's largest block: alike everywhere
+            self.carried = largest <= slot
+            self.next_slot = -(-largest // 8) * 8 if _fits(largest, g.size) else 0
+            self.got, self.verdict = _judge(g, self.numbers, theirs, self.x, self.out,
                                             self.recv_counts)
             self.own[0] = self.verdict
             self.seen = numbers
@@ -223,6 +283,7 @@ class Counts:
             self.everyone = (bool((bits & 4).all()), int(theirs[:, 5].sum()))
             self.checking, self.all_declared = bool((bits & 1).any()), bool((bits & 2).all())
             self.all_again = bool((bits & AGAIN).all())
+        g.slots[NAME] = self.next_slot  # (the same on every rank: all saw every largest block)
         if self.checking and not self.all_again:  # some rank checks: share the verdicts
             if self.verdict_call is not None:
                 self.verdict_call()
@@ -236,6 +297,30 @@ class Counts:
             g.declared[self.sig] = self.everyone
         g.last_fine[NAME] = self
         return self.got
+
+    def unpack(self, dst, recv):
+        """The blocks that came in step 1's slots into dst (flat raw, rank order; recv: its
+        Partition in elements): one strided copy when every block fills its slot."""
+        if self.unpacking is None or self.unpacking[0] is not dst \
+                or self.unpacking[1] is not self.got:
+            p, slot, got = self.g.size, self.slot, self.got
+            out = dst.view(np.uint8)
+            sizes = [c * self.row_bytes for c in got]
+            slots = self.theirs[:, NUMBERS:].view(np.uint8)
+            if sizes == [slot] * p:
+                copies = [(out.reshape(p, slot), slots)]
+            else:
+                at = np.cumsum([0] + sizes).tolist()
+                copies = [(out[at[i]:at[i + 1]], slots[i, :sizes[i]]) for i in range(p)
+                          if sizes[i]]
+            self.unpacking = (dst, self.got, copies)
+        for into, source in self.unpacking[2]:
+            into[...] = source
+
+
+def _fits(largest, p):
+    """Do p slots of `largest` bytes (rounded up to 8) stay within CARRY_MAX?"""
+    return p * (-(-largest // 8) * 8) <= CARRY_MAX
 
 
 def _judge(g, mine, theirs, x, out, recv_counts):
