@@ -68,7 +68,8 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
         if hot[0] is not None and agreed(sig) is not None:
             hot[0]()
             return hot[1]
-        agreed_before = exchange.agreed()  # (every rank on the host, every rank in place)
+        # (exchange.agreed() inlined: every rank on the host, every rank in place)
+        agreed_before = None if sig is None else agreed(sig)
         if agreed_before is not None:  # counts declared by every rank, agreed before
             if problem is not None:
                 raise InvalidArgumentError(problem)  # (the others are sending: abort)
@@ -91,7 +92,8 @@ def plan(g, ctx, x, out, algorithm, counts=None, declared=False):
         else:
             dst[part.slices[g.rank]] = src
             (node if chosen[1] == "node" else ring).allgather(side.t, dst, part, side.ws)
-        _args.copy_rows(dst, copy_to)
+        if copy_to is not None:
+            _args.copy_rows(dst, copy_to)
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out
@@ -288,6 +290,7 @@ class Rows:
         # MPI's all-gather bound once per slot size: a repeated call parses no arguments
         call = native.bind(g.t, "native_allgather", send, flat, part.counts) \
             if self.name == "native" else None
+        self.heads = recv[:, :head]  # every rank's numbers, viewed once
         self.slot = (width, send, recv, flat, payload, part, call)
 
     def __call__(self):
@@ -303,7 +306,7 @@ class Rows:
         else:
             recv[g.rank] = send
             ring.allgather(g.t, flat, part, g.host.ws)
-        headers = recv[:, :META * 8].tobytes()
+        headers = self.heads.tobytes()
         if headers != self.seen:  # another call than the last: judge it
             meta = np.frombuffer(headers, np.int64).reshape(g.size, META)
             if self.seen is None or headers_differ(headers, self.seen, g.size):
@@ -315,7 +318,8 @@ class Rows:
                 self.everyone = (bool((meta[:, 7] & 2).all()), bool((meta[:, 7] & 1).all()),
                                  bool((meta[:, 7] & 4).all()))
             self.seen, self.carried = headers, bool(meta[:, 6].all())
-        g.slots[self.collective] = self.next_slot  # the same on every rank: all saw got
+        if width - META * 8 != self.next_slot:  # the same on every rank: all saw got
+            g.slots[self.collective] = self.next_slot
         if self.signature is not None and self.everyone[0]:
             g.declared[self.signature] = self.everyone[1] if self.in_place is None else \
                 self.everyone[1:]

@@ -73,7 +73,8 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
         if hot[0] is not None and agreed(sig):  # (True: agreed, every rank's rows on the host)
             hot[0]()
             return hot[1]
-        host_all = exchange.agreed()  # counts declared by every rank and agreed on before
+        # counts declared by every rank and agreed on before (exchange.agreed() inlined)
+        host_all = None if sig is None else agreed(sig)
         direct = host_all is not None
         if direct:
             if problem is not None:
@@ -99,7 +100,8 @@ def plan(g, ctx, x, root, out, algorithm, counts=None, declared=False):
                 hot[:] = bound[2], result
         else:
             tree.gather(side.t, src, dst, part, root, side.ws)
-        _args.copy_rows(dst, copy_to)
+        if copy_to is not None:
+            _args.copy_rows(dst, copy_to)
         return result
 
     # axis 0 may differ between ranks: the fingerprint leaves it out

@@ -202,7 +202,8 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
             agree.unpack(dst, part)
         else:
             move(part, dst, bool(everyone & 2))
-        _args.copy_rows(dst, copy_to)
+        if copy_to is not None:
+            _args.copy_rows(dst, copy_to)
         g.slots[NAME] = next_slot  # the same on every rank: all read the same header
         return result
 
