@@ -18,7 +18,8 @@ MPI_Allgather instead (OneCall): every rank's record and root's description of i
 header but for the other ranks' verdicts) reach every rank, and every rank judges every
 record alike (_judge is a function of those numbers alone), so all raise alike or none with
 one collective instead of two (MPICH at -n 2: about 2.2 us against 1.8 + 2.0 for a gather
-and a scatter). algorithm='tree' keeps ringcoll's two trees.
+and a scatter). algorithm='tree', and more than ONE_CALL_MAX ranks (every rank
+receives p slots as wide as root's description: p^2 numbers), keep ringcoll's two trees.
 
 Small blocks ride with the header instead (no step 3): after each scatter every rank knows
 every block's bytes from the header, so all agree without a message on the next call's slot
@@ -73,6 +74,9 @@ RECORD = 5
 NATIVE_MAX = 65536
 SLOTS = 8  # trailing dimensions the header carries; rows of more need out= on non-roots
 CARRY_MAX = 8192  # p * p * S: bytes a rank receives when blocks ride (see OneCall)
+#: the most ranks that agree in one MPI_Allgather (OneCall): each receives p slots as wide as
+#: root's 2 p + 22 numbers, p^2 words in all, so past this the trees' O(p) header is cheaper
+ONE_CALL_MAX = 16
 NAME_BYTES = 16  # root's dtype, spelled as np.dtype() reads it back
 
 # verdicts, one per rank in the header
@@ -161,9 +165,10 @@ def plan(g, ctx, x, root, counts, out, algorithm, declared=False):
 
     words = _header_size(p)
     # the agreement by one MPI_Allgather under auto where the transport has MPI's calls
-    # (explicit 'tree': ringcoll's two trees)
+    # and p is small enough (explicit 'tree': ringcoll's two trees)
     mpi = algorithm in (None, "auto", "native") and hasattr(g.t, "native_allgather")
-    agree = (OneCall if mpi else Agreement)(g, mine, root, described, src)
+    agree = (OneCall if mpi and p <= ONE_CALL_MAX else Agreement)(g, mine, root, described,
+                                                                  src)
     # the header's numbers last read, what they gave, out's targets, (everyone, carried)
     last = [None, None, None, None]
 
