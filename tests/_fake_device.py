@@ -9,9 +9,17 @@ before its D2H copy finished sends stale bytes (the pinned blocks start filled w
 host block reused before its H2D copy ran hands the next message's bytes to the earlier one:
 such schedule bugs give wrong results here, as they would on a GPU.
 
-The compute stream runs everything at once (NumPy kernels are synchronous), so wait(compute,
-event) completes the event's stream up to the event, and events recorded on compute have
-always happened.
+Copies hold device memory as cudaMemcpyAsync does: by address. A buffer whose last reference
+goes before its queued copy runs makes that copy fail (AssertionError), where on a GPU CuPy's
+pool could have handed the memory to the next kernel while the copy stream still used it.
+
+Work on the fake's device memory (wrap()'s segments, FakeDevice.array's arrays: DeviceArray)
+is deferred too: writes into it and ufuncs that touch it queue on the compute stream and run
+when it is synchronised (fence(), sync_stream, an event recorded after them waited for). So a
+counter posted before the fence that should precede it lets a peer read bytes not yet written,
+and a read still queued when its slot is handed back reads the owner's next chunk. Plain NumPy
+buffers (the staging suites') are not deferred: work on them runs at once, and wait(compute,
+event) completes the event's stream up to the event at once.
 
 The node tier's device memory (Device.alloc ... fence, which device.py's open_device_shared
 uses) is POSIX shared memory here, so that "device memory" really is shared between MPI
@@ -30,15 +38,18 @@ processes, and CUDA IPC's rules are enforced rather than assumed:
 - It counts what happened: allocs, frees, fences, the names it exported, opened and closed.
 
 A mapping whose arrays are still referenced (the tier keeps views of its slots) cannot be
-unmapped at once (NumPy holds the buffer): it is unmapped when they go. Its name is unlinked
+unmapped at once (NumPy holds the buffer): it is unmapped when they go. free() first fills the
+allocation with 0xDD (FREED), so a view used after free reads garbage, as on a GPU. Its name is unlinked
 at free, so /dev/shm holds nothing once every segment was freed.
 """
 
+import ctypes
 import fcntl
 import itertools
 import os
 import random
 import threading
+import weakref
 from collections import deque
 from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
@@ -87,7 +98,7 @@ class FakeDevice(Device):
         self.eager = eager
         self.d2h, self.h2d, self.compute_stream = (FakeStream("d2h"), FakeStream("h2d"),
                                                    FakeStream("compute"))
-        self.copies = self.syncs = self.pinned_bytes = 0
+        self.copies = self.syncs = self.pinned_bytes = self.kernels = 0
         # the node tier's memory (see the module docstring)
         self.id, self.peer_access = int(device_id), peer_access
         self.fail_alloc, self.fail_open, self.prefix = fail_alloc, fail_open, prefix
@@ -139,12 +150,13 @@ class FakeDevice(Device):
         return np.empty(nbytes, dtype=np.uint8)
 
     def to_host(self, src, offset, block, nbytes, stream):
-        data = _bytes(src)[offset:offset + nbytes]
-        self._push(stream, lambda: block.array.__setitem__(slice(0, nbytes), data))
+        memory = _Weak(src, offset, nbytes, "to_host (D2H) copy's source")
+        self._push(stream, lambda: block.array.__setitem__(slice(0, nbytes), memory.bytes()))
 
     def to_device(self, block, dst, offset, nbytes, stream):
-        target = _bytes(dst)[offset:offset + nbytes]
-        self._push(stream, lambda: target.__setitem__(slice(None), block.array[:nbytes]))
+        memory = _Weak(dst, offset, nbytes, "to_device (H2D) copy's target")
+        self._push(stream, lambda: memory.bytes().__setitem__(slice(None),
+                                                              block.array[:nbytes]))
 
     def _push(self, stream, copy):
         self.copies += 1
@@ -173,6 +185,7 @@ class FakeDevice(Device):
             raise AssertionError(f"pid {os.getpid()} freed {seg.name} while a peer process "
                                  "still maps it (ipc_close must come first)") from None
         fcntl.flock(seg.shm._fd, fcntl.LOCK_UN)
+        seg.array[:] = FREED  # a view kept past free reads this, as on a GPU it reads garbage
         seg.unmap()
         seg.shm.unlink()
         _CREATED.discard(seg.name)
@@ -213,7 +226,29 @@ class FakeDevice(Device):
             raise ValueError(f"wrap({ptr:#x}): no live fake device memory at this address "
                              "(freed, unmapped, or never allocated)")
         assert nbytes <= seg.array.size, f"wrap of {nbytes} bytes over {seg.array.size}"
-        return seg.array[:nbytes]
+        return self._lazy(seg.array[:nbytes])
+
+    def array(self, host):
+        """A copy of NumPy array `host` in this device's memory, as the caller's CuPy array
+        would be: work on it queues on the compute stream (see DeviceArray)."""
+        return self._lazy(np.array(host, copy=True))
+
+    def _lazy(self, a):
+        view = a.view(DeviceArray)
+        view.device = self
+        return view
+
+    def kernel(self, op):
+        """Queue op on the compute stream: it runs when the stream is synchronised (fence,
+        sync_stream, an event on it waited for), as a CuPy kernel would."""
+        self.kernels += 1
+        self.compute_stream.push(op)
+        if self.eager:
+            self.compute_stream.run_until(self.compute_stream.queued)
+
+    def flush(self):
+        """Run everything queued on the compute stream (the host waits for the stream)."""
+        self.compute_stream.run_until(self.compute_stream.queued)
 
     def device_id(self):
         return self.id
@@ -225,6 +260,7 @@ class FakeDevice(Device):
 
     def fence(self):
         self.fences += 1
+        self.flush()  # the current stream synchronised: what its kernels wrote is there
         with self._barrier:  # (an atomic instruction: a memory barrier for the host's writes)
             pass
 
@@ -234,11 +270,121 @@ class FakeDevice(Device):
             sorted(s.name for s in self._maps.values())
 
 
-def _bytes(buf):
-    """The bytes of a contiguous 1-D buffer, as a view (copies read and write through it when
-    they run, not when they are queued: as on a GPU)."""
-    assert buf.ndim == 1 and buf.flags.c_contiguous, "staged buffers are flat and contiguous"
-    return buf.view(np.uint8)
+FREED = 0xDD  # the bytes of a freed allocation
+
+
+class DeviceArray(np.ndarray):
+    """An array in fake device memory (wrap(), FakeDevice.array): NumPy's memory, a GPU's
+    order. Writes into it and ufuncs that touch it (as input or out) are queued on its
+    device's compute stream (FakeDevice.kernel) and read their inputs when they run, not when
+    they are called; they run when the stream is synchronised (fence(), sync_stream, an event
+    recorded after them that a copy or the host waits for). So a counter posted before the
+    fence that should precede it lets a peer read bytes not yet written, and a peer's slot
+    read after its owner was told the reader is done reads the owner's next chunk: such
+    ordering bugs give wrong results here, as on a GPU. NumPy functions on it
+    (np.array_equal, ...), a ufunc with no out, and its methods read at once after the
+    stream ran (the host waits, as CuPy's .get() does); so do copy, tobytes, astype,
+    tolist and item. Slices and views stay DeviceArrays of the same device. Read through
+    the buffer protocol (bytes(x), MPI) or assigned into a NumPy array, it is read at once,
+    without waiting: synchronise first (a CUDA-aware MPI needs that too), and where a GPU
+    would queue the copy, make the caller's array a DeviceArray (FakeDevice.array)."""
+
+    device = None
+
+    def __array_finalize__(self, obj):
+        self.device = getattr(obj, "device", None)
+
+    def __setitem__(self, key, value):
+        dev = self.device
+        if dev is None:
+            return np.ndarray.__setitem__(self, key, value)
+        target = self.view(np.ndarray)
+        dev.kernel(lambda: target.__setitem__(key, _plain(value)))
+
+    def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
+        dev = next(x.device for x in inputs + (out or ()) if isinstance(x, DeviceArray))
+        args = [_plain(x) for x in inputs]
+        if out is None or dev is None:
+            if dev is not None:
+                dev.flush()
+            if out is not None:
+                kwargs["out"] = tuple(_plain(o) for o in out)
+            result = getattr(ufunc, method)(*args, **kwargs)
+            return result if out is None else (out[0] if len(out) == 1 else out)
+        kwargs["out"] = tuple(_plain(o) for o in out)
+        dev.kernel(lambda: getattr(ufunc, method)(*args, **kwargs))
+        return out[0] if len(out) == 1 else out
+
+    def __array_function__(self, func, types_, args, kwargs):
+        for dev in {x.device for x in _arrays(args, kwargs)} - {None}:
+            dev.flush()
+        return func(*_unwrap(args), **_unwrap(kwargs))
+
+    def _read(name):  # noqa: N805 - a method maker: methods that read on the host
+        def method(self, *args, **kwargs):
+            if self.device is not None:
+                self.device.flush()
+            return getattr(self.view(np.ndarray), name)(*args, **kwargs)
+        method.__name__ = name
+        return method
+
+    copy, tobytes, astype = _read("copy"), _read("tobytes"), _read("astype")
+    tolist, item = _read("tolist"), _read("item")
+    del _read
+
+
+def _plain(x):
+    return x.view(np.ndarray) if isinstance(x, DeviceArray) else x
+
+
+def _arrays(args, kwargs):
+    stack = list(args) + list(kwargs.values())
+    while stack:
+        x = stack.pop()
+        if isinstance(x, DeviceArray):
+            yield x
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+
+
+def _unwrap(x):
+    if isinstance(x, dict):
+        return {k: _unwrap(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v) for v in x)
+    return _plain(x)
+
+
+class _Weak:
+    """nbytes of a flat device buffer from byte offset, held as a GPU copy holds them: by
+    address, not by reference. cudaMemcpyAsync keeps nothing alive, so a buffer whose last
+    reference goes before its queued copy runs is back in CuPy's pool, which may hand it to
+    the next kernel on the compute stream while the copy stream still reads or writes it.
+    Here the copy then fails (AssertionError) instead of reading what a later kernel wrote.
+    What is watched is the array that owns the memory (the end of buf's .base chain), as
+    CuPy's views keep their allocation alive; the copy reads and writes through the address
+    when it runs, not when it is queued."""
+
+    __slots__ = ("owner", "address", "nbytes", "what")
+
+    def __init__(self, buf, offset, nbytes, what):
+        assert buf.ndim == 1 and buf.flags.c_contiguous, "staged buffers are flat and contiguous"
+        root = buf
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        self.owner = weakref.ref(root)
+        self.address, self.nbytes, self.what = buf.ctypes.data + offset, nbytes, what
+        assert 0 <= offset and offset + nbytes <= buf.nbytes
+
+    def bytes(self):
+        if self.owner() is None:
+            raise AssertionError(
+                f"a {self.what} ran after the buffer's last reference was dropped: on a GPU "
+                "its memory may already belong to a later kernel (keep the buffer referenced "
+                "until its copy has run)")
+        if not self.nbytes:
+            return np.empty(0, np.uint8)
+        return np.ctypeslib.as_array((ctypes.c_uint8 * self.nbytes).from_address(self.address))
 
 
 # -- this process's fake device address space ---------------------------------------------------

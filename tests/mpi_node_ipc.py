@@ -67,24 +67,26 @@ def data(n, seed, rank):
     return ((np.arange(n) * 7 + 13 * rank + seed) % 101).astype(np.float64)
 
 
-def allreduces(t, ws, label, seed=0):
-    """node.allreduce of every size, out of place and in place, checked on this rank."""
+def allreduces(t, ws, dev, label, seed=0):
+    """node.allreduce of every size, out of place and in place, on dev's arrays (their work
+    queued on its compute stream, as on a GPU), checked on this rank."""
     for n in sizes():
         for inplace in (False, True):
-            src = data(n, seed + n, RANK)
-            dst = src if inplace else np.full(n, np.nan)
+            src = dev.array(data(n, seed + n, RANK))
+            dst = src if inplace else dev.array(np.full(n, np.nan))
             node.allreduce(t, src, dst, COMBINE, ws)
             ok = np.array_equal(dst, expected(n, seed + n))
             check(ok, f"{label}: allreduce n={n} {'in place' if inplace else 'out of place'}")
     return True
 
 
-def broadcasts(t, ws, label, seed=0):
-    """node.broadcast of every size from the first and the last rank, checked on this rank."""
+def broadcasts(t, ws, dev, label, seed=0):
+    """node.broadcast of every size from the first and the last rank, on dev's arrays,
+    checked on this rank."""
     for n in sizes():
         for root in sorted({0, P - 1}):
             want = data(n, seed + 7 * n + root, root)
-            buf = want.copy() if RANK == root else np.full(n, np.nan)
+            buf = dev.array(want if RANK == root else np.full(n, np.nan))
             node.broadcast(t, buf, root, ws)
             check(np.array_equal(buf, want), f"{label}: broadcast n={n} root={root}")
 
@@ -119,8 +121,8 @@ def case_tier(args, wrap, one_gpu):
     t = make(dev, wrap, inner)
     for chunk in (256, 1 << 16):
         ws = Workspace(4 << 20, node_chunk=chunk, device=True)
-        allreduces(t, ws, f"{label} node_chunk={chunk}")
-        broadcasts(t, ws, f"{label} node_chunk={chunk}")
+        allreduces(t, ws, dev, f"{label} node_chunk={chunk}")
+        broadcasts(t, ws, dev, f"{label} node_chunk={chunk}")
         tier = node.tier_of(t, ws)
         check(tier is not None, f"{label}: no tier was made")
         if tier is not None and chunk == 256:  # a registered buffer: the peers read it in place
@@ -190,8 +192,8 @@ def case_refused(args, what, bad):
     if what == "open" and RANK != bad:  # the others opened theirs before the meeting
         check(len(dev.opened) == P - 1, f"{label}: opened {dev.opened}")
     ws = Workspace(4 << 20, node_chunk=256, device=True)
-    allreduces(t, ws, label, seed=3)
-    broadcasts(t, ws, label, seed=3)
+    allreduces(t, ws, dev, label, seed=3)
+    broadcasts(t, ws, dev, label, seed=3)
     check(node.tier_of(t, ws) is None, f"{label}: a tier was made")
     ws.close_resident()
     bookkeeping(dev, label + ", after the ring", expect_opens=False)

@@ -15,15 +15,20 @@ import pytest
 
 import ringcoll
 from ringcoll.algorithms import node
-from ringcoll.arrays import Partition
+from ringcoll.arrays import Partition, Workspace
+from ringcoll.ops import get_op
 from ringcoll.errors import CollectiveMismatchError, CollectiveTimeoutError, PeerFailedError
 from ringcoll.transport.base import NoSharedMemory, Tag
+from ringcoll.transport import threads
+from ringcoll.transport.device import StagedTransport
 from ringcoll.transport.threads import ThreadTransport, ThreadWorld
 
 import _mpirun as mpirun
 import _oracle as O
+from _fake_device import FakeDevice
 
 TIMEOUT = 20
+COMBINE = get_op("sum").bind(np.float64)
 PS = [1, 2, 3, 4, 5, 8, 16]
 
 
@@ -369,6 +374,104 @@ def test_distributed_optimizer_buckets_are_registered_and_average():
 
 
 # -- under mpiexec ------------------------------------------------------------------------------
+# -- device memory on tests/_fake_device.py ----------------------------------------------------
+def _on_fake_devices(p, fn, chunk, fence_flushes=True):
+    """fn(t, ws, dev) on p thread ranks, each with a fake device whose memory the tier maps
+    by pointer (one process, as NCCL's ranks in one process); returns the ranks' results."""
+    devices = []
+    for r in range(p):
+        dev = FakeDevice(seed=r, prefix=f"rcnode_t{os.getpid()}")
+        if not fence_flushes:  # a fence that no longer waits for the stream: what it guards
+            dev.fence = lambda d=dev: None
+        devices.append(dev)
+
+    def body(t):
+        dev = devices[t.rank]
+        s = StagedTransport(t, dev, chunk_bytes=64)
+        ws = Workspace(1 << 20, node_chunk=chunk, device=True)
+        try:
+            return fn(s, ws, dev)
+        finally:
+            ws.close_resident()
+            dev.flush()
+
+    results = threads.run(p, body, timeout=TIMEOUT)
+    for dev in devices:
+        assert dev.live() == ([], []), dev.live()
+    return results
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("chunk", [64, 4096])
+def test_tier_on_device_memory_whose_kernels_run_late(p, chunk):
+    """The tier over the fake's device memory, where a write or a reduction runs only when
+    the stream is synchronised (a GPU's order): every kind of call right on every rank, so
+    every write is fenced before the counter that announces it and every read before the
+    counter that frees the slot it read."""
+    def body(t, ws, dev):
+        out = {}
+        for n in (0, 1, p - 1, p + 1, 1000):
+            xs = inputs(n, p, n, np.float64)
+            src = dev.array(xs[t.rank])
+            dst = dev.array(np.full(n, np.nan))
+            node.allreduce(t, src, dst, COMBINE, ws)
+            out[("allreduce", n)] = np.array(dst.copy())
+            inplace = dev.array(xs[t.rank])
+            node.allreduce(t, inplace, inplace, COMBINE, ws)
+            out[("in place", n)] = inplace.copy()
+            part = Partition.even(n, p)
+            mine = dev.array(np.full(part.counts[t.rank], np.nan))
+            node.reduce_scatter(t, src, mine, part, COMBINE, ws)
+            out[("reduce_scatter", n)] = mine.copy()
+            buf = dev.array(np.full(n, np.nan))
+            lo, hi = part.starts[t.rank], part.starts[t.rank] + part.counts[t.rank]
+            buf[lo:hi] = src[lo:hi]
+            node.allgather(t, buf, part, ws)
+            out[("allgather", n)] = buf.copy()
+            for root in sorted({0, p - 1}):
+                b = dev.array(xs[root] if t.rank == root else np.full(n, np.nan))
+                node.broadcast(t, b, root, ws)
+                out[("broadcast", n, root)] = b.copy()
+        assert node.existing(t, ws) is not None, "no tier was made"
+        assert dev.kernels > 0 and dev.fences > 0
+        return out
+
+    results = _on_fake_devices(p, body, chunk)
+    for key in results[0]:
+        n = key[1]
+        xs = inputs(n, p, n, np.float64)
+        total = np.sum(xs, axis=0) if n else np.zeros(0)
+        part = Partition.even(n, p)
+        for r, res in enumerate(results):
+            got = res[key]
+            if key[0] == "reduce_scatter":
+                want = total[part.starts[r]:part.starts[r] + part.counts[r]]
+            elif key[0] == "allgather":
+                want = np.concatenate([xs[q][part.starts[q]:part.starts[q] + part.counts[q]]
+                                       for q in range(p)])
+            elif key[0] == "broadcast":
+                want = xs[key[2]]
+            else:
+                want = total
+            assert np.allclose(got, want, rtol=1e-12, atol=0), (key, r)
+            assert got.tobytes() == results[0][key].tobytes() or key[0] == "reduce_scatter"
+
+
+def test_the_fake_catches_a_tier_that_does_not_wait_for_its_kernels():
+    """The fake's teeth: with a fence that does not wait for the stream, the copies into the
+    slots have not run when the peers read them, and the results are wrong. (If this passes
+    with right results, the fake has stopped deferring work and the test above proves
+    nothing.)"""
+    def body(t, ws, dev):
+        src = dev.array(np.full(1000, 1.0 + t.rank))
+        dst = dev.array(np.full(1000, np.nan))
+        node.allreduce(t, src, dst, COMBINE, ws)
+        return dst.copy()
+
+    results = _on_fake_devices(3, body, 4096, fence_flushes=False)
+    assert not all(np.array_equal(r, np.full(1000, 6.0)) for r in results), results
+
+
 @mpirun.needs_mpi
 @pytest.mark.parametrize("nprocs", [1, 2, 3, 4, 5, 8])
 def test_mpi_node_tier(nprocs, mpi_timings):

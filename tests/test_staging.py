@@ -8,8 +8,10 @@ over threads and under mpiexec (tests/mpi_device.py --device fake), with chunks 
 that every message is many chunks. tests/test_gpu.py runs the same suite with CuPy on a real GPU.
 """
 
+import gc
 import hashlib
 import json
+import random
 import sys
 import threading
 import types
@@ -162,6 +164,30 @@ def test_a_pinned_block_is_reused_only_after_its_copy_to_the_device():
 
     _, (ra, rb) = threads.run(2, body, timeout=TIMEOUT)
     assert np.all(ra == 1.0) and np.all(rb == 2.0)
+
+
+def test_a_staged_send_keeps_its_device_buffer_until_its_copies_ran():
+    """isend of a buffer the caller drops at once (mpi4py's Isend allows it: its Request holds
+    the buffer). On a GPU the D2H copy reads by address, so a buffer collected before its copy
+    ran is memory CuPy's pool may already have handed to the next kernel; the fake fails such
+    a copy, so this passes only if the request keeps the buffer until its copies have run."""
+    dev = [FakeDevice(seed=1), FakeDevice(seed=2)]
+    dev[0].rng.random = lambda: 1.0  # no copy has run when isend returns
+
+    def body(t):
+        s = StagedTransport(t, dev[t.rank], chunk_bytes=64)
+        if t.rank == 1:
+            got = np.zeros(100)
+            s.recv(got, 0, 5)
+            return got
+        req = s.isend(np.arange(100.0), 1, 5)  # the request holds the only reference
+        gc.collect()
+        dev[0].rng.random = random.Random(0).random
+        s.wait(req)
+        return req.blocks
+
+    blocks, got = threads.run(2, body, timeout=TIMEOUT)
+    assert len(blocks) == 13 and np.array_equal(got, np.arange(100.0))
 
 
 def test_a_size_mismatch_fails_at_once_on_the_first_chunk():

@@ -255,11 +255,15 @@ class PinnedPool:
 
 
 class _Send:
-    """A staged isend: its chunks' host blocks, their MPI requests as they get posted."""
+    """A staged isend: its chunks' host blocks, their MPI requests as they get posted, and the
+    device buffer, held until every chunk is posted: the D2H copies read it by address, and a
+    buffer whose last reference went before they ran would be back in CuPy's pool, free for
+    the next kernel (as mpi4py's requests hold theirs, the caller may drop it after isend)."""
 
-    __slots__ = ("blocks", "mpi", "unposted", "tested", "done")
+    __slots__ = ("buf", "blocks", "mpi", "unposted", "tested", "done")
 
-    def __init__(self):
+    def __init__(self, buf):
+        self.buf = buf
         self.blocks, self.mpi, self.unposted, self.tested, self.done = [], [], 0, 0, False
 
     def advance(self, t):
@@ -368,7 +372,7 @@ class StagedTransport(_Wrapper):
             return self.inner.isend(buf, peer, tag)
         d2h, nbytes = dev.d2h, buf.nbytes
         dev.wait(d2h, dev.record(dev.compute()))  # copy what the kernels before this call wrote
-        req = _Send()
+        req = _Send(buf)
         bounds = chunk_bounds(nbytes, self.chunk)
         for i, (lo, hi) in enumerate(bounds):
             size = hi - lo + (TAG if i == 0 else 0)
@@ -421,6 +425,8 @@ class StagedTransport(_Wrapper):
             out.popleft()
             req.mpi.append(isend(block.array[:size], peer, tag))
             req.unposted -= 1
+            if not req.unposted:  # every D2H copy has run: the host blocks hold the bytes
+                req.buf = None
         if self._active:
             self._active = [req for req in self._active if not req.advance(self)]
 
